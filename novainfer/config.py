@@ -1,0 +1,115 @@
+"""Engine configuration: what model, how much cache, how to schedule, how to parallelise.
+
+Field names follow vLLM's so that users can carry their arguments over unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from novainfer.models.config_utils import get_head_dim
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be one of 'auto', 'cpu', 'cuda', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available")
+    return torch.device(device)
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    hf_config: Any = field(default=None, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        from transformers import AutoConfig
+
+        path = Path(self.model)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model must be a local Hugging Face model directory with a config.json; "
+                             f"got {self.model!r}")
+        if self.hf_config is None:
+            self.hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        self.tokenizer = self.tokenizer or self.model
+        self.torch_dtype = self._resolve_dtype()
+        limit = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len < 1 or (limit and self.max_model_len > limit):
+            raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
+                             f"got {self.max_model_len}")
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            configured = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            if isinstance(configured, torch.dtype):
+                return configured
+            return _DTYPES.get(str(configured or "float32"), torch.float32)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def head_dim(self) -> int:
+        return get_head_dim(self.hf_config)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.hf_config.num_key_value_heads
+
+    def generation_eos_token_ids(self) -> list[int]:
+        """EOS ids from ``generation_config.json`` (one id or a list), else from the model config."""
+        gen_path = Path(self.model) / "generation_config.json"
+        eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.is_file() else None
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget; the default budget on CPU
+    enable_prefix_caching: bool = True
+    cpu_kv_cache_default_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")

@@ -1,0 +1,45 @@
+"""What the scheduler tells the workers to run in one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from novainfer.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen yet, or one resumed after preemption (recomputed)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers already hold: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> tokens computed this step (1 for a decode, k for a prefill chunk)
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished (or aborted) since the last step: workers drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted this step: workers drop them from the batch but keep their RNG.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,226 @@
+"""Continuous batching with chunked prefill under one token budget per step.
+
+Each step first serves running requests in admission order (a decode costs one token, an
+unfinished prompt a chunk), then admits waiting requests first come, first served, while the
+token budget, ``max_num_seqs`` and the KV cache allow. A prompt longer than the remaining
+budget is chunked, so long prompts never stall decodes. When a running request cannot get a
+KV block, the most recently admitted running request is preempted: its blocks are freed and it
+goes back to the front of the waiting queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from novainfer.core.kv_cache_manager import KVCacheManager
+from novainfer.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from novainfer.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._workers_know: set[str] = set()  # requests whose state the workers hold
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions_total = 0
+        self.max_context_len = min(config.max_model_len, kv_cache_manager.num_blocks * kv_cache_manager.block_size)
+
+    # ---- queue management --------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Ends requests (stop, length, abort): frees their KV blocks. Unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = []
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.set_status(status)
+            self.kv_cache_manager.free(rid)
+            self._release(rid)
+            finished.append(request)
+        return finished
+
+    def _release(self, rid: str) -> None:
+        self._workers_know.discard(rid)
+        self._finished_since_last_step.add(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        # Decodes first, then unfinished prompts, each group in admission order: a long prompt's
+        # chunks use what is left of the budget and never delay a decode.
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self._allocate_or_preempt(request, num_new, num_scheduled, preempted)
+            if new_blocks is None:
+                continue  # the request itself was preempted
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._emit(request, new_blocks, new_reqs, cached_reqs)
+
+        # Admit waiting requests, unless this step already had to preempt (no room).
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not self._fits_at_all(request):
+                continue
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request.request_id, request.all_token_ids)
+            num_new = min(request.num_tokens - num_hit, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, request.all_token_ids, num_new,
+                                                              hit_blocks, num_hit)
+            if new_blocks is None:
+                break  # first come, first served: nobody behind it jumps the queue
+            self.waiting.popleft()
+            request.set_status(RequestStatus.RUNNING)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._emit(request, self.kv_cache_manager.get_block_ids(request.request_id), new_reqs, cached_reqs)
+
+        output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
+                                 finished_req_ids=self._finished_since_last_step, preempted_req_ids=preempted)
+        self._finished_since_last_step = set()
+        return output
+
+    def _fits_at_all(self, request: Request) -> bool:
+        """A prompt larger than the whole KV cache can never run: finish it as ignored."""
+        if self.kv_cache_manager.can_fit(request.num_tokens):
+            return True
+        logger.warning("request %s ignored: %d tokens exceed the KV cache capacity of %d tokens",
+                       request.request_id, request.num_tokens,
+                       self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size)
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_IGNORED)
+        return False
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, num_scheduled: dict[str, int],
+                             preempted: set[str]) -> list[int] | None:
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, request.all_token_ids, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            # The most recently admitted request that this step has not scheduled yet (at worst
+            # ``request`` itself, which is running and unscheduled).
+            victim = next(r for r in reversed(self.running) if r.request_id not in num_scheduled)
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request.request_id)
+        request.set_status(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._workers_know.discard(request.request_id)
+        self.waiting.appendleft(request)
+        logger.debug("preempted request %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+
+    def _emit(self, request: Request, new_blocks: list[int], new_reqs: list[NewRequestData],
+              cached_reqs: list[CachedRequestData]) -> None:
+        rid = request.request_id
+        if rid in self._workers_know:
+            cached_reqs.append(CachedRequestData(rid, list(new_blocks), request.num_computed_tokens))
+            return
+        self._workers_know.add(rid)
+        new_reqs.append(NewRequestData(rid, request.prompt_token_ids, list(request.output_token_ids),
+                                       request.sampling_params, self.kv_cache_manager.get_block_ids(rid),
+                                       request.num_computed_tokens))
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advances progress after a step; returns the requests that got a new token."""
+        updated = []
+        for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            token = sampled_token_ids.get(rid)
+            if token is not None:
+                request.append_output_token(token)
+                updated.append(request)
+        return updated
+
+    def check_stop(self, request: Request) -> RequestStatus | None:
+        """Token-level stop conditions after a new token: EOS/stop ids, max_tokens, context length.
+
+        The context is capped by ``max_model_len`` and by what the whole KV cache can hold, so a
+        request alone in the cache can always take its next step.
+        """
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
+            request.stop_reason = last if last in (params.stop_token_ids or ()) else None
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_context_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def make_stats(self) -> SchedulerStats:
+        stats = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
+                              stats.queries, stats.hits, self.num_preemptions_total)

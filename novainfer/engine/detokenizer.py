@@ -1,0 +1,106 @@
+"""Incremental detokenization: turn a growing stream of token ids into text.
+
+Decoding the whole output again after every token costs O(n) per step. Instead
+we keep only a small window of token ids, split by ``read_offset``:
+
+* ``window[:read_offset]``: context tokens, whose text was emitted by the
+  previous step (or that are the tail of the prompt). They are decoded again
+  because how a token decodes can depend on its left neighbour (SentencePiece
+  drops the leading space of the first token it decodes).
+* ``window[read_offset:]``: tokens whose text has not been emitted yet.
+
+Each step decodes ``window`` and ``window[:read_offset]``; the new text is the
+difference. When it ends with U+FFFD the last token ended inside a UTF-8
+character (byte-level BPE splits multi-byte characters across tokens), so
+nothing is emitted and the window keeps growing until later tokens complete
+the character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Number of prompt tokens used as left context for the first output tokens, so
+# that e.g. a leading space of the first generated word is kept.
+PROMPT_CONTEXT_TOKENS = 5
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes the output tokens of one request, a few tokens at a time.
+
+    The concatenation of all strings returned by :meth:`add_tokens` equals
+    ``tokenizer.decode(output_ids, skip_special_tokens=...,
+    clean_up_tokenization_spaces=False)`` for tokenizers whose decoding does
+    not depend on left context (byte-level BPE such as Qwen2, GPT-2), except
+    that an incomplete UTF-8 character at the very end is never emitted.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._spaces_between_special_tokens = spaces_between_special_tokens
+
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._window: list[int] = context
+        self._read_offset = len(context)
+        # A prompt that ends inside a UTF-8 character would make the context
+        # text and the context-plus-output text disagree on their common part,
+        # so such a prompt is not used as context.
+        if self._decode(context).endswith(_REPLACEMENT_CHAR):
+            self._window = []
+            self._read_offset = 0
+
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return self._text
+
+    def add_tokens(self, token_ids: Sequence[int]) -> str:
+        """Appends output tokens and returns the text they complete.
+
+        Returns ``""`` when the tokens produce no text yet: they end inside a
+        multi-byte character (the text is returned once later tokens complete
+        it) or they are special tokens being skipped.
+        """
+        if not token_ids:
+            return ""
+        self._window.extend(token_ids)
+
+        prefix_text = self._decode(self._window[: self._read_offset])
+        full_text = self._decode(self._window)
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+
+        new_text = full_text[len(prefix_text) :]
+        # The tokens just emitted become the context of the next step; older
+        # context is no longer needed.
+        del self._window[: self._read_offset]
+        self._read_offset = len(self._window)
+        self._text += new_text
+        return new_text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # Cleanup of tokenization spaces looks across token boundaries, so
+        # applying it to windows would not add up to applying it to the whole
+        # text; it is disabled.
+        return self._tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self._skip_special_tokens,
+            spaces_between_special_tokens=self._spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )

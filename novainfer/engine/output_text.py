@@ -1,0 +1,103 @@
+"""Per-request output text: incremental detokenization, stop strings, streaming."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from novainfer.engine.detokenizer import IncrementalDetokenizer
+from novainfer.engine.stop_strings import find_stop, partial_stop_len
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class OutputTextState:
+    """Output text of one request, cut at the first stop string.
+
+    Call :meth:`append_tokens` with each step's new tokens, and
+    :meth:`take_delta` to get the text that may be streamed to the client.
+    Streamed text never contains a stop string that is not part of the output,
+    because text that could be the beginning of a stop string is held back
+    until it is known not to be one.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        *,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        if isinstance(stop, str):
+            raise TypeError(f"stop must be a sequence of strings, not the string {stop!r}")
+        if any(not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty, got {list(stop)!r}")
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
+        self._stops = tuple(stop)
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._include_stop_str_in_output = include_stop_str_in_output
+        self._text = ""
+        self._stop_matched: str | None = None
+        self._num_streamed = 0
+
+    @property
+    def text(self) -> str:
+        """Output text so far, truncated at the stop string if one was matched."""
+        return self._text
+
+    def append_tokens(self, token_ids: Sequence[int]) -> str | None:
+        """Detokenizes new tokens; returns the stop string they complete, else None.
+
+        On a match the text is truncated before the stop string (or after it
+        with ``include_stop_str_in_output``); the request must then finish,
+        and appending more tokens raises ``RuntimeError``.
+        """
+        if self._stop_matched is not None:
+            raise RuntimeError(
+                f"append_tokens called after stop string {self._stop_matched!r} "
+                f"already ended the output {self._text!r}"
+            )
+        new_text = self._detokenizer.add_tokens(token_ids)
+        if not new_text or not self._stops:
+            return None
+
+        # A match not found by earlier calls must end inside the new text, so
+        # it starts at most max_stop_len - 1 characters before it.
+        search_start = max(0, len(self._text) - self._max_stop_len + 1)
+        self._text += new_text
+        match = find_stop(self._text, self._stops, search_start)
+        if match is None:
+            return None
+        self._text = self._text[: match.end if self._include_stop_str_in_output else match.start]
+        self._stop_matched = match.stop
+        return match.stop
+
+    def take_delta(self, finished: bool) -> str:
+        """Returns the text added since the previous call that is safe to stream.
+
+        While the request runs, a tail of the text that could be the beginning
+        of a stop string is held back. Once it is finished, or a stop string
+        was matched (the text can no longer grow), everything left is returned.
+        """
+        end = len(self._text)
+        if not finished and self._stop_matched is None:
+            end -= partial_stop_len(self._text, self._stops)
+        if end < self._num_streamed:
+            # Only possible if tokens were appended after a finished=True call
+            # and a stop string then cut into text that was already streamed.
+            raise RuntimeError(
+                f"{self._num_streamed} characters were already streamed but the "
+                f"output text is now {self._text!r}"
+            )
+        delta = self._text[self._num_streamed : end]
+        self._num_streamed = end
+        return delta

@@ -1,0 +1,80 @@
+"""Token embedding and LM head, optionally split over the vocabulary (seed 000, section 7.1.9).
+
+The vocabulary is cut into ``tp_size`` contiguous ranges of ``ceil(V / tp_size)`` rows; the last
+range is padded with zero rows. Embedding: each rank looks up the ids in its range, zeros the
+rest, and an all-reduce sums the partial embeddings. LM head: each rank computes the logits of its
+range and an all-gather concatenates them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from novainfer.distributed import ProcessGroup, get_tp_group
+from novainfer.layers.sharding import WeightShardError
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype | None = None,
+                 tp_group: ProcessGroup | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.tp_group = tp_group if tp_group is not None else get_tp_group()
+        self.tp_rank = self.tp_group.rank
+        self.tp_size = self.tp_group.world_size
+        self.prefix = prefix
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_name = f"{prefix}.weight"
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: None = None,
+                      weight_name: str | None = None) -> None:
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(loaded_weight.shape) != expected:
+            raise WeightShardError(
+                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected {expected}",
+                weight_name=weight_name or param.weight_name, global_shape=tuple(loaded_weight.shape),
+                local_shape=tuple(param.shape), tp_size=self.tp_size, tp_rank=self.tp_rank)
+        rows = self.vocab_end_index - self.vocab_start_index
+        param.data[:rows].copy_(loaded_weight[self.vocab_start_index:self.vocab_end_index])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start_index, 0)
+        out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        self.tp_group.all_reduce(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, per_partition={self.num_embeddings_per_partition}, "
+                f"dim={self.embedding_dim}, tp_size={self.tp_size}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> vocabulary logits. ``tie_weights`` shares the weight of an embedding (tied embeddings)."""
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
+        if embedding.weight.shape != self.weight.shape:
+            raise ValueError(f"cannot tie {self.prefix!r} {tuple(self.weight.shape)} to "
+                             f"{embedding.prefix!r} {tuple(embedding.weight.shape)}")
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size == 1:
+            return logits
+        gathered = torch.empty((self.tp_size, *logits.shape), dtype=logits.dtype, device=logits.device)
+        self.tp_group.all_gather(gathered.view(-1, logits.shape[-1]), logits.contiguous())
+        # [tp, T, V/tp] -> [T, tp * V/tp], then drop the padding rows of the last range.
+        return gathered.permute(1, 0, 2).reshape(logits.shape[0], -1)[:, :self.num_embeddings]

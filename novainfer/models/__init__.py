@@ -1,0 +1,3 @@
+from novainfer.models.registry import ModelRegistry, UnsupportedArchitectureError
+
+__all__ = ["ModelRegistry", "UnsupportedArchitectureError"]

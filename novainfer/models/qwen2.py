@@ -1,0 +1,135 @@
+"""Qwen2 decoder (``Qwen2ForCausalLM``) built from tensor-parallel-ready layers.
+
+Per decoder layer there are exactly two all-reduces: after ``o_proj`` and after ``down_proj``
+(both row-parallel); everything else is local to the rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from novainfer.attention import Attention, AttentionMetadata
+from novainfer.distributed import get_tp_group, single_rank_group
+from novainfer.layers.activation import SiluAndMul
+from novainfer.layers.layernorm import RMSNorm
+from novainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from novainfer.layers.rotary_embedding import RotaryEmbedding
+from novainfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from novainfer.models.config_utils import get_head_dim, get_rope_theta
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.head_dim = get_head_dim(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=True, params_dtype=dtype,
+                                          prefix=f"{prefix}.qkv_proj")
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False,
+                                        params_dtype=dtype, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, get_rope_theta(config))
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+                              prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, metadata: AttentionMetadata):
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = hidden_states.shape[0]
+        q, k = self.rotary_emb(positions, q.view(num_tokens, self.num_heads, self.head_dim),
+                               k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        out = self.attn(q, k, v, metadata)
+        return self.o_proj(out)
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"Qwen2 hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=False, params_dtype=dtype, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False,
+                                           params_dtype=dtype, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = Qwen2Attention(config, dtype, f"{prefix}.self_attn")
+        self.mlp = Qwen2MLP(config, dtype, f"{prefix}.mlp")
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=dtype, prefix=f"{prefix}.input_layernorm")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=dtype,
+                                                prefix=f"{prefix}.post_attention_layernorm")
+
+    def forward(self, positions, hidden_states, residual, metadata):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, vocab_parallel: bool, prefix: str = "model") -> None:
+        super().__init__()
+        vocab_group = get_tp_group() if vocab_parallel else single_rank_group()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype,
+                                                   tp_group=vocab_group, prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            Qwen2DecoderLayer(config, dtype, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, prefix=f"{prefix}.norm")
+
+    def forward(self, input_ids, positions, metadata):
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen2ForCausalLM(nn.Module):
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # Checkpoint tensors that are derived, not parameters.
+    ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config, dtype: torch.dtype, vocab_parallel: bool = False) -> None:
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise NotImplementedError("Qwen2 with use_sliding_window=True is not supported")
+        self.config = config
+        self.model = Qwen2Model(config, dtype, vocab_parallel)
+        vocab_group = get_tp_group() if vocab_parallel else single_rank_group()
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=dtype,
+                                      tp_group=vocab_group, prefix="lm_head")
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

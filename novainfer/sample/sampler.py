@@ -1,0 +1,179 @@
+"""Batched next-token sampler: penalties, greedy/random sampling and logprobs.
+
+Each stage is a plain function over [B, V] tensors so it can be tested on its
+own; `Sampler.forward` chains them in vLLM's order. No stage modifies the
+caller's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from novainfer.sample.metadata import SamplingMetadata
+
+
+@dataclass
+class LogprobsTensors:
+    """Log-probabilities of the raw (unpenalized, temperature 1) distribution.
+
+    Every row has max_num_logprobs top entries; rows that asked for fewer
+    should be cut to their own `logprobs` by the caller.
+    """
+
+    token_ids: torch.Tensor  # [B, k + 1] int64; column 0 = sampled token, then top-k
+    logprobs: torch.Tensor  # [B, k + 1] float32, top-k part sorted descending
+    sampled_token_ranks: torch.Tensor  # [B] int64, 1 = most likely token
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Forbid stop tokens in rows that have not yet produced min_tokens tokens."""
+    if metadata.min_tokens_block is None:
+        return logits
+    rows, token_ids = metadata.min_tokens_block
+    return logits.index_put((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens)."""
+    counts = metadata.output_token_counts
+    if counts is None:
+        return logits
+    in_output = counts > 0
+    if metadata.prompt_token_mask is not None:
+        penalty = metadata.repetition_penalties.unsqueeze(1)
+        # Dividing positive and multiplying negative logits both make the token less likely.
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(in_output | metadata.prompt_token_mask, penalized, logits)
+    logits = logits - metadata.frequency_penalties.unsqueeze(1) * counts.to(logits.dtype)
+    return logits - metadata.presence_penalties.unsqueeze(1) * in_output.to(logits.dtype)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p set to -inf.
+
+    top_k: [B] in [1, V]; top_p: [B] in (0, 1]. Top-p is applied to the
+    distribution left after top-k and keeps the smallest prefix whose
+    cumulative probability reaches top_p, always including the top token.
+    """
+    # Stable sort so that ties are broken by lowest id, exactly like argmax.
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        positions = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        # Rows at top_p == 1 keep everything even where float rounding makes
+        # the running sum reach 1 before the tail.
+        drop &= (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return logits.scatter(-1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p times the row's top probability.
+
+    The result is not renormalized: random_sample does not need it.
+    """
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row from (unnormalized) probs.
+
+    Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) picks i with
+    probability p_i / sum(p), without a normalization or a cumsum. Seeded rows
+    draw their noise from their own generator so their tokens do not depend
+    on the rest of the batch.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    # A zero draw would turn 0 / 0 into NaN, which argmax picks: a banned token.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Sampled token's logprob and rank plus the top num_logprobs alternatives."""
+    sampled = sampled.unsqueeze(1)
+    sampled_logprobs = logprobs.gather(-1, sampled)
+    top_logprobs, top_ids = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)
+    # Rank counts strictly more likely tokens, so tied tokens share the best rank.
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
+    return LogprobsTensors(
+        token_ids=torch.cat([sampled, top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+        sampled_token_ranks=ranks,
+    )
+
+
+class Sampler(nn.Module):
+    """Turns [B, V] logits into one token per row, following SamplingMetadata."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        batch_size = metadata.temperature.shape[0]
+        if logits.shape != (batch_size, metadata.vocab_size):
+            raise ValueError(
+                f"logits must have shape ({batch_size}, {metadata.vocab_size}) to match the "
+                f"sampling metadata, got {tuple(logits.shape)}"
+            )
+        logits = logits.to(torch.float32)
+        # Logprobs describe the model's own distribution (vLLM v1's default "raw" mode).
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+
+        logits = apply_min_tokens(logits, metadata)
+        if not metadata.no_penalties:
+            logits = apply_penalties(logits, metadata)
+        sampled = self._sample(logits, metadata)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy
+
+        # Greedy rows go through the random path too (its result is discarded
+        # for them); temperature 1 keeps them free of division by zero.
+        temperature = torch.where(
+            metadata.is_greedy, torch.ones_like(metadata.temperature), metadata.temperature
+        )
+        logits = logits / temperature.unsqueeze(1)
+        if not (metadata.no_top_k and metadata.no_top_p):
+            logits = apply_top_k_top_p(
+                logits,
+                None if metadata.no_top_k else metadata.top_k,
+                None if metadata.no_top_p else metadata.top_p,
+            )
+        probs = logits.softmax(dim=-1)
+        if not metadata.no_min_p:
+            probs = apply_min_p(probs, metadata.min_p)
+        sampled = random_sample(probs, metadata.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(metadata.is_greedy, greedy, sampled)

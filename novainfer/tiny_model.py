@@ -1,0 +1,201 @@
+"""The built-in tiny model: a random-weight Qwen2 with a tokenizer of our own making.
+
+It is written in exactly the Hugging Face layout of a real checkpoint (``config.json``,
+``*.safetensors``, tokenizer files, ``generation_config.json``) so that the default path of every
+command exercises the real loader. Tests build variants of it with other configurations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Text the tokenizer's byte-level BPE merges are learned from: some English, code and Chinese,
+# so that common words become single tokens and any other text still encodes byte by byte.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A language model predicts the next token of a text.
+Inference engines batch many requests together, cache keys and values in paged blocks, and stream
+tokens back to their clients as soon as they are sampled. Hello, world! How are you today?
+Once upon a time there was a small model that wanted to learn how to speak. It read books about
+history, science, music and mathematics, and it answered questions politely and briefly.
+def generate(prompt, max_tokens=16):
+    tokens = tokenizer.encode(prompt)
+    for _ in range(max_tokens):
+        tokens.append(model.next_token(tokens))
+    return tokenizer.decode(tokens)
+你好，世界！今天天气很好。我们一起学习语言模型的推理。这是一个小模型，它会说中文和英文。
+北京是中国的首都。上海是一个大城市。请问你叫什么名字？我很高兴认识你。
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.14159. Symbols: + - * / = < > ( ) [ ] { } # @ !
+"""
+
+TINY_QWEN2_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+    "torch_dtype": "float32",
+}
+
+TOKENIZER_VOCAB_SIZE = 1024
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = TOKENIZER_VOCAB_SIZE):
+    """Trains a byte-level BPE tokenizer on the built-in corpus and saves it in Hugging Face format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([line for line in _CORPUS.splitlines() if line.strip()] * 4, trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                     additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    hf_tok.chat_template = CHATML_TEMPLATE
+    hf_tok.save_pretrained(str(out_dir))
+    return hf_tok
+
+
+def _random_qwen2_state_dict(config: dict[str, Any], seed: int, std: float) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm_weight() -> torch.Tensor:
+        # Not all ones, so that a norm applied with the wrong weight shows up in parity tests.
+        return 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+
+    state = {"model.embed_tokens.weight": randn(config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        state.update({
+            f"{p}.self_attn.q_proj.weight": randn(heads * head_dim, hidden),
+            f"{p}.self_attn.q_proj.bias": randn(heads * head_dim),
+            f"{p}.self_attn.k_proj.weight": randn(kv_heads * head_dim, hidden),
+            f"{p}.self_attn.k_proj.bias": randn(kv_heads * head_dim),
+            f"{p}.self_attn.v_proj.weight": randn(kv_heads * head_dim, hidden),
+            f"{p}.self_attn.v_proj.bias": randn(kv_heads * head_dim),
+            f"{p}.self_attn.o_proj.weight": randn(hidden, heads * head_dim),
+            f"{p}.mlp.gate_proj.weight": randn(inter, hidden),
+            f"{p}.mlp.up_proj.weight": randn(inter, hidden),
+            f"{p}.mlp.down_proj.weight": randn(hidden, inter),
+            f"{p}.input_layernorm.weight": norm_weight(),
+            f"{p}.post_attention_layernorm.weight": norm_weight(),
+        })
+    state["model.norm.weight"] = norm_weight()
+    if not config.get("tie_word_embeddings", False):
+        state["lm_head.weight"] = randn(config["vocab_size"], hidden)
+    return state
+
+
+def _save_sharded(state: dict[str, torch.Tensor], out_dir: Path, num_shards: int) -> None:
+    if num_shards == 1:
+        save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(state)
+    weight_map = {}
+    for shard in range(num_shards):
+        file_name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: state[n] for n in names[shard::num_shards]}
+        save_file(part, str(out_dir / file_name), metadata={"format": "pt"})
+        weight_map.update({n: file_name for n in part})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def write_random_qwen2(out_dir: str | Path, *, seed: int = 0, std: float = 0.4, num_shards: int = 1,
+                       tokenizer_dir: str | Path | None = None, dtype: str = "float32",
+                       **config_overrides: Any) -> Path:
+    """Writes a random-weight Qwen2 checkpoint directory and returns its path.
+
+    ``tokenizer_dir``: copy that tokenizer (e.g. a real Qwen2 one) instead of training ours; the
+    vocabulary size follows the tokenizer unless ``vocab_size`` is given. ``config_overrides``
+    replace entries of :data:`TINY_QWEN2_CONFIG`. Weights are drawn from N(0, std) in float32 and
+    stored as ``dtype``.
+    """
+    from transformers import AutoTokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        tokenizer = build_tokenizer(out_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tokenizer.save_pretrained(str(out_dir))
+    config = {**TINY_QWEN2_CONFIG, "vocab_size": len(tokenizer), "torch_dtype": dtype, **config_overrides}
+    if config["vocab_size"] < len(tokenizer):
+        raise ValueError(f"vocab_size {config['vocab_size']} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    special = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS if t in tokenizer.get_vocab()}
+    eos_ids = [special[t] for t in ("<|im_end|>", "<|endoftext|>") if t in special]
+    config.setdefault("bos_token_id", special.get("<|endoftext|>"))
+    config.setdefault("eos_token_id", special.get("<|endoftext|>"))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids, "do_sample": False}, indent=2))
+    state = _random_qwen2_state_dict(config, seed, std)
+    torch_dtype = getattr(torch, dtype)
+    _save_sharded({k: v.to(torch_dtype).contiguous() for k, v in state.items()}, out_dir, num_shards)
+    return out_dir
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NOVAINFER_CACHE", Path.home() / ".cache" / "novainfer"))
+
+
+def get_tiny_model_dir(**overrides: Any) -> Path:
+    """The directory of the built-in tiny model (or a variant), written on first use.
+
+    Writing goes to a temporary directory that is renamed into place, so concurrent callers
+    (parallel test workers) never see a half-written model.
+    """
+    spec = json.dumps({"config": TINY_QWEN2_CONFIG, "overrides": overrides, "vocab": TOKENIZER_VOCAB_SIZE,
+                       "format": 1}, sort_keys=True, default=str)
+    digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
+    target = cache_root() / f"tiny-qwen2-{digest}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write_random_qwen2(tmp, **overrides)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,127 @@
+"""ModelRunner: turns a step's sequences into flat tensors, runs the model, returns logits.
+
+A step is a list of :class:`SequenceInput`: each sequence computes some new tokens on top of
+``start_pos`` tokens whose K/V are already in the paged cache. All sequences are flattened into
+one varlen batch (no padding to [B, T]); logits are computed only for the rows that need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from novainfer.attention import AttentionBackend, AttentionMetadata, TorchReferenceBackend
+from novainfer.config import CacheConfig, ModelConfig
+from novainfer.model_loader import load_model
+
+
+@dataclass
+class SequenceInput:
+    """One sequence's part of a forward step."""
+
+    token_ids: Sequence[int]  # the new tokens computed this step
+    start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
+    block_table: Sequence[int]  # KV blocks of the whole sequence, in order
+    logits: Literal["none", "last", "all"] = "last"
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
+                 attn_backend: AttentionBackend | None = None) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = device
+        self.block_size = cache_config.block_size
+        self.attn_backend = attn_backend or TorchReferenceBackend()
+        self.model: torch.nn.Module | None = None
+        self.num_blocks = 0
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def load_model(self) -> None:
+        mc = self.model_config
+        self.model = load_model(mc.model, mc.hf_config, mc.torch_dtype, self.device)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of K and V for one block across every layer of this rank."""
+        layers = self.model.attention_layers()
+        per_token = sum(2 * layer.num_kv_heads * layer.head_size for layer in layers)
+        return per_token * self.block_size * torch.empty(0, dtype=self.model_config.torch_dtype).element_size()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        dtype = self.model_config.torch_dtype
+        for layer in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            layer.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.num_blocks = num_blocks
+
+    # ---- one step ---------------------------------------------------------------------------
+    def prepare_inputs(self, seqs: Sequence[SequenceInput]) -> ModelInput:
+        if not seqs:
+            raise ValueError("a forward step needs at least one sequence")
+        bs = self.block_size
+        query_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
+        if (query_lens < 1).any():
+            raise ValueError(f"every sequence must compute at least one token, got query lengths {query_lens.tolist()}")
+        start_pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
+        seq_lens = start_pos + query_lens
+        cu_lens = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu_lens[1:])
+        num_tokens = int(cu_lens[-1])
+
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = np.zeros((len(seqs), max(max_blocks, 1)), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            if len(s.block_table) * bs < seq_lens[i]:
+                raise ValueError(f"sequence {i}: {len(s.block_table)} blocks of {bs} tokens cannot hold "
+                                 f"{int(seq_lens[i])} tokens")
+            block_tables[i, :len(s.block_table)] = s.block_table
+
+        seq_index = np.repeat(np.arange(len(seqs)), query_lens)
+        positions = np.arange(num_tokens) - cu_lens[:-1][seq_index] + start_pos[seq_index]
+        slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
+        input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=num_tokens)
+
+        logits_rows = []
+        for i, s in enumerate(seqs):
+            if s.logits == "last":
+                logits_rows.append(np.array([cu_lens[i + 1] - 1]))
+            elif s.logits == "all":
+                logits_rows.append(np.arange(cu_lens[i], cu_lens[i + 1]))
+            elif s.logits != "none":
+                raise ValueError(f"logits must be 'none', 'last' or 'all', got {s.logits!r}")
+        logits_indices = np.concatenate(logits_rows) if logits_rows else np.zeros(0, dtype=np.int64)
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_tokens=num_tokens, num_seqs=len(seqs), block_size=bs,
+            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc=torch.from_numpy(cu_lens.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, backend=self.attn_backend)
+        self.attn_backend.prepare(metadata)
+        return ModelInput(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata,
+                          torch.from_numpy(logits_indices).to(dev))
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
+        """Runs one step; returns float32 logits [rows requested, vocab] in input order."""
+        model_input = self.prepare_inputs(seqs)
+        hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+        return self.model.compute_logits(hidden[model_input.logits_indices]).float()

@@ -1,0 +1,17 @@
+import os
+
+import pytest
+import torch
+
+# Tests build models with a fixed seed and compare against transformers; keep CPU threads modest
+# so that parallel workers on a small machine do not oversubscribe it.
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

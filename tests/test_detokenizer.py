@@ -1,0 +1,149 @@
+"""Incremental detokenization against the real Qwen2 (byte-level BPE) tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from novainfer.engine.detokenizer import IncrementalDetokenizer
+from tests._tokenizers import load_qwen2_tokenizer
+
+TEXTS = {
+    "english": "Hello world! The quick brown fox jumps over the lazy dog, twice.",
+    "chinese": "你好，世界！今天天气很好。",
+    "emoji_mixed": "Good job 🙂👍 — 好的🙂 ok👍!",
+    "japanese": "こんにちは、世界。今日はいい天気ですね。",
+    # Characters that Qwen2 splits into several byte-level tokens.
+    "split_emoji": "🦜🧬𝔘𝔫𝔦 parrots",
+    "split_chinese": "龘靐齉",
+    "code": "def f(x):\n    if x:\n        return [i * 2 for i in x]\n\treturn None\n",
+    "special_tokens": "<|im_start|>assistant\nSure, here it is.<|im_end|>\n<|im_end|>",
+}
+
+# Texts where some character is spread over several tokens.
+SPLIT_TEXTS = ("split_emoji", "split_chinese")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_qwen2_tokenizer()
+
+
+def stream(detokenizer: IncrementalDetokenizer, ids: list[int], chunk_sizes: list[int]) -> list[str]:
+    """Feeds ``ids`` in chunks of the given sizes (cycled) and returns every delta."""
+    deltas = []
+    pos = 0
+    step = 0
+    while pos < len(ids):
+        size = chunk_sizes[step % len(chunk_sizes)]
+        deltas.append(detokenizer.add_tokens(ids[pos : pos + size]))
+        pos += size
+        step += 1
+    return deltas
+
+
+def check_deltas(tokenizer, ids: list[int], deltas: list[str], detokenizer, skip: bool) -> None:
+    expected = tokenizer.decode(ids, skip_special_tokens=skip)
+    assert "\ufffd" not in expected
+    assert "".join(deltas) == expected
+    assert detokenizer.text == expected
+    assert all("\ufffd" not in d for d in deltas), deltas
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_one_token_at_a_time_matches_full_decode(tokenizer, name, skip):
+    ids = tokenizer.encode(TEXTS[name])
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+    deltas = stream(detokenizer, ids, [1])
+    check_deltas(tokenizer, ids, deltas, detokenizer, skip)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_chunks_match_full_decode(tokenizer, seed, skip):
+    rng = random.Random(seed)
+    for name in sorted(TEXTS):
+        ids = tokenizer.encode(TEXTS[name])
+        detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+        chunk_sizes = [rng.randint(1, 4) for _ in range(len(ids))]
+        deltas = stream(detokenizer, ids, chunk_sizes)
+        check_deltas(tokenizer, ids, deltas, detokenizer, skip)
+
+
+@pytest.mark.parametrize("name", SPLIT_TEXTS)
+def test_incomplete_character_is_held_back(tokenizer, name):
+    ids = tokenizer.encode(TEXTS[name])
+    # The text must really contain a token that is not a whole character.
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    deltas = stream(detokenizer, ids, [1])
+    held = [i for i, d in enumerate(deltas) if d == ""]
+    assert held, deltas
+    # The step after a held-back one releases the completed character.
+    first = held[0]
+    assert deltas[first + 1] == TEXTS[name][0]
+    assert "".join(deltas) == TEXTS[name]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens(tokenizer, skip):
+    ids = tokenizer.encode("Done.<|im_end|>")
+    assert ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+    deltas = stream(detokenizer, ids, [1])
+    assert deltas[-1] == ("" if skip else "<|im_end|>")
+    assert detokenizer.text == ("Done." if skip else "Done.<|im_end|>")
+
+
+def test_prompt_is_context_only(tokenizer):
+    prompt = tokenizer.encode("<|im_start|>user\nSay hi in Chinese 🙂<|im_end|>\n<|im_start|>assistant\n")
+    output = tokenizer.encode("你好！ Hello 🦜 there")
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = stream(detokenizer, output, [1])
+    assert "".join(deltas) == "你好！ Hello 🦜 there"
+    assert deltas[0] == "你好"
+
+
+def test_prompt_ending_inside_a_character_is_not_used_as_context(tokenizer):
+    ids = tokenizer.encode("龘 is rare")
+    # The prompt holds the first bytes of 龘, the output the remaining ones.
+    detokenizer = IncrementalDetokenizer(tokenizer, ids[:1])
+    deltas = stream(detokenizer, ids[1:], [1])
+    # The output is decoded on its own, so its orphan bytes become U+FFFD,
+    # exactly as decoding the output ids alone does.
+    assert "".join(deltas) == tokenizer.decode(ids[1:])
+    assert "".join(deltas).endswith(" is rare")
+
+
+def test_empty_add_returns_empty(tokenizer):
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt"))
+    assert detokenizer.add_tokens([]) == ""
+    assert detokenizer.text == ""
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and records how many ids each decode call gets."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.decode_lengths: list[int] = []
+
+    def decode(self, token_ids, **kwargs):
+        self.decode_lengths.append(len(token_ids))
+        return self._tokenizer.decode(token_ids, **kwargs)
+
+
+def test_cost_per_token_does_not_grow_with_output_length(tokenizer):
+    text = " ".join(TEXTS.values()) * 20
+    ids = tokenizer.encode(text)
+    assert len(ids) > 1000
+    counting = CountingTokenizer(tokenizer)
+    prompt = tokenizer.encode("a fairly long prompt " * 50)
+    detokenizer = IncrementalDetokenizer(counting, prompt, skip_special_tokens=False)
+    stream(detokenizer, ids, [1])
+    assert detokenizer.text == tokenizer.decode(ids)
+    # Windows only span the last emitted tokens plus a few incomplete ones.
+    assert max(counting.decode_lengths) <= 10

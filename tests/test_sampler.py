@@ -1,0 +1,313 @@
+import math
+
+import pytest
+import torch
+
+from novainfer.sample import LogprobsTensors, Sampler, SamplingMetadata, make_generator
+from novainfer.sample.sampler import apply_penalties, random_sample
+from novainfer.sampling_params import SamplingParams
+
+
+def build_metadata(params, vocab_size, outputs=None, prompts=None, generators=None):
+    n = len(params)
+    if generators is None:
+        generators = [make_generator(p.seed, "cpu") if p.seed is not None else None for p in params]
+    return SamplingMetadata.from_requests(
+        params,
+        outputs if outputs is not None else [[] for _ in range(n)],
+        prompts if prompts is not None else [[] for _ in range(n)],
+        generators,
+        "cpu",
+        vocab_size,
+    )
+
+
+def sample(logits, params, **kwargs):
+    metadata = build_metadata(params, logits.shape[1], **kwargs)
+    return Sampler()(logits, metadata)
+
+
+# ---------------------------------------------------------------- greedy and truncation
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(8, 200).to(dtype)
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 8)
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
+    assert out.logprobs is None
+
+
+def test_truncation_to_one_token_equals_greedy_in_mixed_batch():
+    torch.manual_seed(1)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=2.0, min_p=0.999999),
+        SamplingParams(temperature=1.0, top_k=1, seed=5),
+        SamplingParams(temperature=1.0),  # plain random row, must not disturb the others
+    ]
+    for _ in range(20):
+        logits = torch.randn(len(params), 500) * 3
+        before = logits.clone()
+        out = sample(logits, params).sampled_token_ids
+        assert torch.equal(logits, before), "sampler must not modify its input"
+        assert torch.equal(out[:5], logits[:5].argmax(-1))
+        assert 0 <= out[5] < 500
+
+
+def test_all_random_batch_with_top_k_one_is_greedy():
+    torch.manual_seed(2)
+    logits = torch.randn(16, 1000)
+    out = sample(logits, [SamplingParams(top_k=1, temperature=0.8)] * 16)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def naive_penalties(logits, params, prompts, outputs):
+    out = logits.clone()
+    for b, p in enumerate(params):
+        for t in range(logits.shape[1]):
+            count = outputs[b].count(t)
+            if t in prompts[b] or count > 0:
+                x = out[b, t].item()
+                out[b, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            out[b, t] -= p.frequency_penalty * count
+            out[b, t] -= p.presence_penalty * (1.0 if count > 0 else 0.0)
+    return out
+
+
+def test_penalties_match_naive_loop():
+    torch.manual_seed(3)
+    vocab = 10
+    logits = torch.randn(4, vocab) * 2  # both signs, so both repetition branches run
+    params = [
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.7),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=1.1),
+        SamplingParams(),
+    ]
+    prompts = [[0, 1, 1, 9], [2, 3], [4, 4, 5], [0, 1, 2]]
+    outputs = [[2, 2, 3], [3, 3, 3, 6], [5, 7, 7], [1, 1]]
+    metadata = build_metadata(params, vocab, outputs=outputs, prompts=prompts)
+    got = apply_penalties(logits, metadata)
+    expected = naive_penalties(logits, params, prompts, outputs)
+    torch.testing.assert_close(got, expected)
+    # Row 1 has no repetition penalty: prompt-only tokens are untouched.
+    assert got[1, 2] == logits[1, 2]
+    # Row 0: a prompt-only token is penalized by repetition.
+    assert got[0, 9] != logits[0, 9]
+    assert torch.equal(got[3], logits[3])
+
+
+def test_repetition_penalty_uses_prompt_tokens_in_greedy_choice():
+    logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]])
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    # Token 0 only in the prompt: 3.0 / 2 = 1.5 < 2.5, so token 1 wins.
+    assert sample(logits, [greedy], prompts=[[0]]).sampled_token_ids.item() == 1
+    # No penalty: argmax.
+    plain = SamplingParams(temperature=0.0)
+    assert sample(logits, [plain], prompts=[[0]]).sampled_token_ids.item() == 0
+
+
+def test_presence_and_frequency_only_use_output_tokens():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    params = [SamplingParams(temperature=0.0, presence_penalty=1.0)]
+    # In the prompt only: no change.
+    assert sample(logits, params, prompts=[[0]]).sampled_token_ids.item() == 0
+    # In the output: 3.0 - 1.0 < 2.5.
+    assert sample(logits, params, outputs=[[0]]).sampled_token_ids.item() == 1
+    freq = [SamplingParams(temperature=0.0, frequency_penalty=0.2)]
+    assert sample(logits, freq, outputs=[[0, 0]]).sampled_token_ids.item() == 0  # 2.6
+    assert sample(logits, freq, outputs=[[0, 0, 0]]).sampled_token_ids.item() == 1  # 2.4
+
+
+# ---------------------------------------------------------------- min_tokens
+
+
+def test_min_tokens_blocks_stop_and_eos_tokens():
+    logits = torch.tensor([[1.0, 5.0, 4.0, 3.0, 0.0]])
+    p = SamplingParams(temperature=0.0, stop_token_ids=[2], min_tokens=3)
+    p.update_from_generation_config([1])
+    assert sample(logits, [p], outputs=[[4]]).sampled_token_ids.item() == 3
+    assert sample(logits, [p], outputs=[[4, 4, 4]]).sampled_token_ids.item() == 1
+
+    torch.manual_seed(4)
+    flat = torch.zeros(2000, 5)
+    random = SamplingParams(stop_token_ids=[0, 4], min_tokens=1)
+    out = sample(flat, [random] * 2000).sampled_token_ids
+    assert not torch.isin(out, torch.tensor([0, 4])).any()
+
+
+# ---------------------------------------------------------------- seeded reproducibility
+
+
+def run_seeded_request(layout, steps=20, vocab=64):
+    """Sample `steps` tokens for every row of `layout`; return the "target" row's tokens."""
+    params = [p for _, p in layout]
+    generators = [make_generator(p.seed, "cpu") if p.seed is not None else None for p in params]
+    outputs = [[] for _ in params]
+    target = [name for name, _ in layout].index("target")
+    sampler = Sampler()
+    for step in range(steps):
+        logits = torch.randn(len(params), vocab) * 2
+        # The target sees the same logits whatever the batch; others get fresh noise.
+        logits[target] = torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step))
+        metadata = SamplingMetadata.from_requests(
+            params, outputs, [[1, 2, 3]] * len(params), generators, "cpu", vocab
+        )
+        tokens = sampler(logits, metadata).sampled_token_ids.tolist()
+        for row, token in enumerate(tokens):
+            outputs[row].append(token)
+    return outputs[target]
+
+
+def test_seed_gives_same_tokens_whatever_the_batch():
+    torch.manual_seed(5)
+    target = SamplingParams(temperature=1.0, seed=123)
+    alone = run_seeded_request([("target", target)])
+    others = [
+        ("random", SamplingParams(temperature=0.9, top_p=0.9)),
+        ("greedy", SamplingParams(temperature=0.0, repetition_penalty=1.3)),
+        ("seeded", SamplingParams(temperature=1.0, seed=7, top_k=5)),
+        ("penalized", SamplingParams(temperature=1.2, frequency_penalty=0.5, min_p=0.1)),
+    ]
+    first = run_seeded_request(others[:2] + [("target", target)] + others[2:])
+    last = run_seeded_request(list(reversed(others)) + [("target", target)])
+    assert alone == first == last
+    assert len(set(alone)) > 5, "a temperature-1 row should not be near-deterministic"
+
+    other_seed = run_seeded_request([("target", SamplingParams(temperature=1.0, seed=124))])
+    assert other_seed != alone
+
+
+def test_seeded_row_requires_generator():
+    with pytest.raises(ValueError, match=r"generators\[0\].*seed=3"):
+        build_metadata([SamplingParams(seed=3)], 10, generators=[None])
+    # Greedy rows never consume randomness, so they need no generator.
+    build_metadata([SamplingParams(seed=3, temperature=0.0)], 10, generators=[None])
+
+
+# ---------------------------------------------------------------- distributions
+
+PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+NUM_DRAWS = 60_000
+# A frequency estimate has standard deviation sqrt(p(1-p)/N) <= sqrt(0.25/60000) ~= 0.00204,
+# so 0.01 is at least 4.9 sigma (two-sided tail ~1e-6 per comparison). The global seed is
+# fixed as well, so the test is deterministic.
+TOLERANCE = 0.01
+TEMPERED = torch.softmax(PROBS.log() / 0.5, -1)  # ~[0.73, 0.18, 0.07, 0.01, 0.003]
+
+
+def renormalized(keep, probs=PROBS):
+    p = probs * torch.tensor(keep, dtype=torch.float32)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(temperature=1.0), PROBS),
+        (SamplingParams(temperature=0.5), TEMPERED),
+        (SamplingParams(top_k=2), renormalized([1, 1, 0, 0, 0])),
+        # Cumulative 0.5, 0.75, 0.90: the smallest prefix reaching 0.8 has 3 tokens.
+        (SamplingParams(top_p=0.8), renormalized([1, 1, 1, 0, 0])),
+        # Threshold 0.1 * 0.5 = 0.05 drops only the 0.03 token.
+        (SamplingParams(min_p=0.1), renormalized([1, 1, 1, 1, 0])),
+        # Temperature comes first: on TEMPERED, 0.73 + 0.18 already reaches 0.85.
+        (SamplingParams(temperature=0.5, top_p=0.85), renormalized([1, 1, 0, 0, 0], TEMPERED)),
+    ],
+    ids=["temperature1", "temperature0.5", "top_k2", "top_p0.8", "min_p0.1", "temp_then_top_p"],
+)
+def test_empirical_distribution(params, expected):
+    torch.manual_seed(6)
+    logits = PROBS.log().expand(NUM_DRAWS, -1).contiguous()
+    tokens = sample(logits, [params] * NUM_DRAWS).sampled_token_ids
+    freq = torch.bincount(tokens, minlength=len(PROBS)).float() / NUM_DRAWS
+    assert (freq - expected).abs().max().item() < TOLERANCE, (freq, expected)
+    assert torch.all(freq[expected == 0] == 0), "a token outside the allowed set was sampled"
+
+
+def test_seeded_rows_follow_the_distribution():
+    # Every row draws its noise from its own generator (the per-row path).
+    num_rows = 10_000
+    probs = PROBS.expand(num_rows, -1).contiguous()
+    generators = {row: make_generator(row, "cpu") for row in range(num_rows)}
+    freq = torch.bincount(random_sample(probs, generators), minlength=5).float() / num_rows
+    # sigma <= sqrt(0.25 / 10000) = 0.005; 0.025 is 5 sigma.
+    assert (freq - PROBS).abs().max().item() < 0.025
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_come_from_raw_logits():
+    torch.manual_seed(7)
+    vocab = 30
+    logits = torch.randn(4, vocab)
+    logits[0, 0], logits[0, 1] = 6.0, 5.0
+    params = [
+        # Penalized away from its argmax: samples token 1, which has raw rank 2.
+        SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=3),
+        SamplingParams(temperature=0.7, top_k=5, logprobs=5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.5, logprobs=0, seed=11),
+    ]
+    out = sample(logits.to(torch.bfloat16), params, prompts=[[0], [], [], []])
+    lp = out.logprobs
+    assert isinstance(lp, LogprobsTensors)
+    raw = logits.to(torch.bfloat16).float().log_softmax(-1)
+
+    assert lp.token_ids.shape == (4, 6) and lp.logprobs.shape == (4, 6)
+    assert lp.logprobs.dtype == torch.float32 and lp.token_ids.dtype == torch.int64
+    assert torch.equal(lp.token_ids[:, 0], out.sampled_token_ids)
+    torch.testing.assert_close(lp.logprobs, raw.gather(1, lp.token_ids))
+    top = raw.topk(5, dim=-1)
+    torch.testing.assert_close(lp.logprobs[:, 1:], top.values)
+    assert torch.all(lp.logprobs[:, 1:-1] >= lp.logprobs[:, 2:])
+
+    assert out.sampled_token_ids[0].item() == 1
+    assert lp.sampled_token_ranks[0].item() == 2
+    for b in range(4):
+        sampled_lp = raw[b, out.sampled_token_ids[b]]
+        assert lp.sampled_token_ranks[b].item() == int((raw[b] > sampled_lp).sum()) + 1
+
+
+def test_logprobs_zero_returns_only_sampled_column():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    lp = sample(logits, [SamplingParams(temperature=0.0, logprobs=0)]).logprobs
+    assert lp.token_ids.tolist() == [[2]]
+    assert lp.sampled_token_ranks.tolist() == [1]
+    expected = 2.0 - math.log(1 + math.e + math.e**2)
+    assert abs(lp.logprobs.item() - expected) < 1e-6
+
+
+# ---------------------------------------------------------------- metadata checks
+
+
+def test_metadata_flags_and_shapes():
+    params = [SamplingParams(temperature=0.0, top_k=3), SamplingParams(top_k=-1, logprobs=2)]
+    md = build_metadata(params, 50)
+    assert not md.all_greedy and not md.all_random
+    assert md.no_top_k and md.no_top_p and md.no_min_p and md.no_penalties
+    assert md.top_k.tolist() == [50, 50]
+    assert md.output_token_counts is None and md.prompt_token_mask is None
+    assert md.max_num_logprobs == 2 and md.generators == {}
+
+    md = build_metadata([SamplingParams(top_k=7, frequency_penalty=0.1)], 50, outputs=[[4, 4]])
+    assert not md.no_top_k and md.top_k.tolist() == [7]
+    assert md.prompt_token_mask is None  # repetition_penalty is 1
+    assert md.output_token_counts[0, 4].item() == 2 and md.output_token_counts.sum().item() == 2
+
+
+def test_mismatched_inputs_raise():
+    with pytest.raises(ValueError, match="len\\(prompt_token_ids\\)"):
+        SamplingMetadata.from_requests([SamplingParams()], [[]], [], [None], "cpu", 10)
+    md = build_metadata([SamplingParams()], 10)
+    with pytest.raises(ValueError, match="logits must have shape \\(1, 10\\)"):
+        Sampler()(torch.zeros(1, 11), md)

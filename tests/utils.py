@@ -1,0 +1,58 @@
+"""Helpers shared by tests: building tiny models and asking transformers (the oracle) for answers."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as transformers_logging
+
+from novainfer.tiny_model import get_tiny_model_dir
+from tests._tokenizers import QWEN2_TOKENIZER_DIR
+
+
+def tiny_model(**overrides) -> Path:
+    """A cached tiny random Qwen2 variant (written once per machine, shared by test workers)."""
+    return get_tiny_model_dir(**overrides)
+
+
+def qwen2_tokenizer_model(**overrides) -> Path:
+    """A tiny random model around the real Qwen2 tokenizer (callers skip when it is absent)."""
+    return get_tiny_model_dir(tokenizer_dir=str(QWEN2_TOKENIZER_DIR), **overrides)
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def hf_logits(path: Path, token_ids: list[int], dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+    """transformers' logits [len, vocab] for one prompt on its own."""
+    return hf_model(path, dtype, device)(torch.tensor([token_ids], device=device)).logits[0].float()
+
+
+@torch.inference_mode()
+def hf_greedy(path: Path, token_ids: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> list[int]:
+    """transformers' greedy ``generate`` for one prompt alone, never stopping early at EOS."""
+    model = hf_model(path, dtype, device)
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample = False
+    config.max_new_tokens = max_new_tokens
+    # An id no token has: generation runs to max_new_tokens (None falls back to the model's EOS).
+    config.eos_token_id = -1
+    config.pad_token_id = 0
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # it warns that -1 is not a real token id
+    try:
+        out = model.generate(torch.tensor([token_ids], device=device), generation_config=config)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    new_tokens = out[0, len(token_ids):].tolist()
+    assert len(new_tokens) == max_new_tokens, "transformers stopped early: EOS was not disabled"
+    return new_tokens
