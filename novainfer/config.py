@@ -113,3 +113,71 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+
+
+_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """Seed 000 section 5.1, with vLLM's field names."""
+
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    node_rank: int = 0
+    nnodes: int = 1
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    distributed_backend: str = "nccl"
+    init_method: str = ""
+    tp_group_name: str = "TP0"
+    use_single_process_tp: bool = True
+    tensor_parallel_device_ids: list[int] | None = None
+
+
+def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
+    """Validates and fills in a ParallelConfig in one place (seed 000 section 5.2)."""
+    if cfg.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be one of {list(_EXECUTOR_BACKENDS)}, "
+                         f"got {cfg.distributed_executor_backend!r}")
+    if isinstance(cfg.tensor_parallel_size, bool) or not isinstance(cfg.tensor_parallel_size, int) \
+            or cfg.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {cfg.tensor_parallel_size!r}")
+    if cfg.pipeline_parallel_size != 1:
+        raise NotImplementedError(f"pipeline_parallel_size must be 1 (pipeline parallelism is not implemented), "
+                                  f"got {cfg.pipeline_parallel_size}")
+    if cfg.nnodes != 1:
+        raise NotImplementedError(f"nnodes must be 1 (multi-node is not implemented), got {cfg.nnodes}")
+    if cfg.distributed_executor_backend != "uni":
+        raise NotImplementedError(f"distributed_executor_backend={cfg.distributed_executor_backend!r} is not "
+                                  f"implemented yet; use 'uni'")
+    if cfg.tensor_parallel_size > 1:
+        raise NotImplementedError(f"tensor_parallel_size={cfg.tensor_parallel_size} is not supported yet; "
+                                  f"tensor parallelism needs tensor_parallel_size=1 in this release")
+    cfg.world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    cfg.rank = 0
+    cfg.local_rank = 0
+    if cfg.tensor_parallel_device_ids is None:
+        cfg.tensor_parallel_device_ids = list(range(cfg.tensor_parallel_size))
+    if len(cfg.tensor_parallel_device_ids) != cfg.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_device_ids has {len(cfg.tensor_parallel_device_ids)} entries, "
+                         f"expected tensor_parallel_size={cfg.tensor_parallel_size}")
+    if len(set(cfg.tensor_parallel_device_ids)) != len(cfg.tensor_parallel_device_ids):
+        raise ValueError(f"tensor_parallel_device_ids contains duplicates: {cfg.tensor_parallel_device_ids}")
+    cfg.use_single_process_tp = cfg.distributed_executor_backend == "uni"
+    return cfg
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine and its workers are built from."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: Any
+    parallel_config: ParallelConfig
+    device: torch.device

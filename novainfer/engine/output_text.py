@@ -67,13 +67,12 @@ class OutputTextState:
                 f"already ended the output {self._text!r}"
             )
         new_text = self._detokenizer.add_tokens(token_ids)
-        if not new_text or not self._stops:
-            return None
-
         # A match not found by earlier calls must end inside the new text, so
         # it starts at most max_stop_len - 1 characters before it.
         search_start = max(0, len(self._text) - self._max_stop_len + 1)
         self._text += new_text
+        if not new_text or not self._stops:
+            return None
         match = find_stop(self._text, self._stops, search_start)
         if match is None:
             return None

@@ -1,0 +1,3 @@
+from novainfer.executor.abstract import Executor, WorkerError
+
+__all__ = ["Executor", "WorkerError"]

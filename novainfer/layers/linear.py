@@ -151,7 +151,8 @@ class QKVParallelLinear(_SegmentedColumnParallelLinear):
         self.num_kv_heads = total_num_kv_heads // self.tp_size
         if self.num_heads * self.tp_size != total_num_heads or self.num_kv_heads * self.tp_size != total_num_kv_heads:
             raise WeightShardError(
-                "attention heads are not divisible by tensor_parallel_size",
+                f"attention heads are not divisible by tensor_parallel_size {self.tp_size} "
+                f"(num_heads={total_num_heads}, num_kv_heads={total_num_kv_heads})",
                 weight_name=f"{self.prefix}.weight", global_shape=(sum(sizes), hidden_size),
                 local_shape=(sum(sizes) / self.tp_size, hidden_size), tp_size=self.tp_size, tp_rank=self.tp_rank)
         self.q_size = self.num_heads * head_size

@@ -27,7 +27,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
-        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        # Clamped: with a tiny vocabulary the last ranks' ranges can lie wholly past its end (then empty).
+        self.vocab_start_index = min(self.tp_rank * self.num_embeddings_per_partition, num_embeddings)
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),

@@ -16,7 +16,10 @@ import torch
 
 from novainfer.attention import AttentionBackend, AttentionMetadata, TorchReferenceBackend
 from novainfer.config import CacheConfig, ModelConfig
+from novainfer.core.sched.output import SchedulerOutput
 from novainfer.model_loader import load_model
+from novainfer.sample import Sampler, SamplingMetadata, make_generator
+from novainfer.sampling_params import SamplingParams
 
 
 @dataclass
@@ -37,6 +40,34 @@ class ModelInput:
     logits_indices: torch.Tensor
 
 
+@dataclass
+class CachedRequestState:
+    """What a worker remembers about a running request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled in one step, for the requests whose whole known sequence was computed."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    # Per sampled request, when it asked for logprobs: (token ids, logprobs, rank of the sampled
+    # token); index 0 of the lists is the sampled token, then the top alternatives.
+    logprobs: list[tuple[list[int], list[float], int] | None] | None = None
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
                  attn_backend: AttentionBackend | None = None) -> None:
@@ -47,6 +78,10 @@ class ModelRunner:
         self.attn_backend = attn_backend or TorchReferenceBackend()
         self.model: torch.nn.Module | None = None
         self.num_blocks = 0
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        # Kept across preemption so that a seeded request resumes its random stream.
+        self.generators: dict[str, torch.Generator] = {}
 
     # ---- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -68,6 +103,14 @@ class ModelRunner:
             layer.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.num_blocks = num_blocks
+
+    def release_kv_cache(self) -> None:
+        """Drops the KV cache tensors (after a profiling run)."""
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.num_blocks = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- one step ---------------------------------------------------------------------------
     def prepare_inputs(self, seqs: Sequence[SequenceInput]) -> ModelInput:
@@ -125,3 +168,65 @@ class ModelRunner:
         model_input = self.prepare_inputs(seqs)
         hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
         return self.model.compute_logits(hidden[model_input.logits_indices]).float()
+
+    # ---- engine steps ------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            self.generators.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
+                list(new.output_token_ids), params, list(new.block_ids), new.num_computed_tokens)
+            if params.seed is not None and not params.is_greedy and new.req_id not in self.generators:
+                self.generators[new.req_id] = make_generator(params.seed, self.device)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], [])
+        seqs, sampling = [], []
+        for rid, num_tokens in so.num_scheduled_tokens.items():
+            state = self.requests[rid]
+            start = state.num_computed_tokens
+            samples = start + num_tokens == len(state.token_ids)
+            seqs.append(SequenceInput(state.token_ids[start:start + num_tokens], start, state.block_ids,
+                                      "last" if samples else "none"))
+            state.num_computed_tokens += num_tokens
+            if samples:
+                sampling.append(state)
+        logits = self.forward(seqs)
+        if not sampling:
+            return ModelRunnerOutput([], [])
+        metadata = SamplingMetadata.from_requests(
+            [s.sampling_params for s in sampling], [s.output_token_ids for s in sampling],
+            [s.prompt_token_ids if s.sampling_params.repetition_penalty != 1.0 else [] for s in sampling],
+            [self.generators.get(s.req_id) for s in sampling], self.device,
+            self.model_config.vocab_size)
+        out = self.sampler(logits, metadata)
+        tokens = out.sampled_token_ids.tolist()  # the step's one device-to-host sync
+        for state, token in zip(sampling, tokens):
+            state.token_ids.append(token)
+            state.output_token_ids.append(token)
+        return ModelRunnerOutput([s.req_id for s in sampling], tokens, self._logprobs_lists(sampling, out))
+
+    @staticmethod
+    def _logprobs_lists(sampling: list[CachedRequestState], out) -> list | None:
+        if out.logprobs is None:
+            return None
+        ids = out.logprobs.token_ids.tolist()
+        values = out.logprobs.logprobs.tolist()
+        ranks = out.logprobs.sampled_token_ranks.tolist()
+        result = []
+        for row, state in enumerate(sampling):
+            k = state.sampling_params.logprobs
+            result.append(None if k is None else (ids[row][:k + 1], values[row][:k + 1], ranks[row]))
+        return result

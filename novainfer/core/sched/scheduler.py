@@ -121,8 +121,6 @@ class Scheduler:
         # Admit waiting requests, unless this step already had to preempt (no room).
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self._fits_at_all(request):
-                continue
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request.request_id, request.all_token_ids)
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, request.all_token_ids, num_new,
@@ -143,16 +141,6 @@ class Scheduler:
                                  finished_req_ids=self._finished_since_last_step, preempted_req_ids=preempted)
         self._finished_since_last_step = set()
         return output
-
-    def _fits_at_all(self, request: Request) -> bool:
-        """A prompt larger than the whole KV cache can never run: finish it as ignored."""
-        if self.kv_cache_manager.can_fit(request.num_tokens):
-            return True
-        logger.warning("request %s ignored: %d tokens exceed the KV cache capacity of %d tokens",
-                       request.request_id, request.num_tokens,
-                       self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size)
-        self.finish_requests(request.request_id, RequestStatus.FINISHED_IGNORED)
-        return False
 
     def _allocate_or_preempt(self, request: Request, num_new: int, num_scheduled: dict[str, int],
                              preempted: set[str]) -> list[int] | None:

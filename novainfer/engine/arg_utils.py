@@ -1,0 +1,63 @@
+"""Engine arguments with vLLM's names, and turning them into an EngineConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+from novainfer.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, normalize_parallel_config, \
+    resolve_device
+from novainfer.core.sched.scheduler import SchedulerConfig
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the built-in tiny model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    log_stats_interval: float = 5.0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Like the constructor, but an unknown argument names every argument that exists."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; valid arguments are {sorted(known)}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        from novainfer.tiny_model import get_tiny_model_dir
+
+        model = self.model or str(get_tiny_model_dir())
+        device = resolve_device(self.device)
+        model_config = ModelConfig(model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
+                                   max_model_len=self.max_model_len)
+        cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                                   num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                   kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                                   enable_prefix_caching=self.enable_prefix_caching)
+        max_batched = self.max_num_batched_tokens or max(8192, model_config.max_model_len)
+        scheduler_config = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=self.max_num_seqs,
+                                           max_model_len=model_config.max_model_len)
+        parallel_config = normalize_parallel_config(ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend))
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,215 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduling step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from novainfer.config import EngineConfig
+from novainfer.core.kv_cache_manager import KVCacheManager
+from novainfer.core.sched.scheduler import Scheduler
+from novainfer.engine.arg_utils import EngineArgs
+from novainfer.engine.output_processor import OutputProcessor
+from novainfer.engine.request import Request, RequestStatus
+from novainfer.executor.abstract import Executor
+from novainfer.outputs import RequestOutput
+from novainfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Sequence[int] | Mapping[str, Any]
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for logs and metrics: gauges of now and totals since start."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_steps: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    finished_requests_total: Counter = field(default_factory=Counter)  # by finish reason
+    step_time_total: float = 0.0  # seconds in step()
+    model_time_total: float = 0.0  # seconds of that inside the executor (forward + sampling)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
+                 log_stats_interval: float = 5.0) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.tokenizer, local_files_only=True)
+        self.eos_token_ids = self.model_config.generation_eos_token_ids()
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos_token_ids:
+            self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        executor_class = executor_class or Executor.get_class(config)
+        self.executor = executor_class(config)
+        num_blocks = self.executor.determine_num_available_blocks()
+        self.executor.initialize_cache(num_blocks)
+        cache = config.cache_config
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self.log_stats_interval = log_stats_interval
+        self._last_log = (time.monotonic(), 0, 0)
+        logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+                    self.model_config.model, self.model_config.torch_dtype, config.device, num_blocks,
+                    cache.block_size, self.model_config.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config(), log_stats_interval=args.log_stats_interval)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, Sequence):
+            return None, list(prompt)
+        raise TypeError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab)
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad!r}")
+        max_len = self.model_config.max_model_len
+        if len(prompt_token_ids) > max_len:
+            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens long, longer than "
+                             f"max_model_len={max_len}")
+        capacity = self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size
+        if len(prompt_token_ids) > capacity:
+            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens long but the KV cache holds only "
+                             f"{capacity} tokens")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queues a request. Bad input raises (naming the field) and leaves the engine unchanged."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self.validate_prompt(token_ids)
+        max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
+        children = []
+        for index in range(params.n):
+            child_params = params.clone()
+            child_params.n = 1
+            if params.seed is not None:
+                child_params.seed = params.seed + index  # distinct but reproducible siblings
+            child_params.update_from_generation_config(self.eos_token_ids)
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            children.append(Request(child_id, token_ids, child_params, max_tokens, arrival_time, text))
+        self.output_processor.add_request(request_id, text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Aborts requests (by the ids given to add_request); returns their final outputs."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for parent_id in request_ids:
+            child_ids = self.output_processor.child_ids(parent_id)
+            if not child_ids:
+                continue
+            for request in self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED):
+                self.stats.finished_requests_total["abort"] += 1
+            outputs.append(self.output_processor.make_output(parent_id))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        model_started = time.perf_counter()
+        runner_output = self.executor.execute_model(scheduler_output)
+        model_time = time.perf_counter() - model_started
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs or ()))
+        updated = self.scheduler.update_from_output(scheduler_output, sampled)
+
+        touched: dict[str, None] = {}
+        for request in updated:
+            status = self.scheduler.check_stop(request)
+            status = self.output_processor.process_token(request, status, logprobs.get(request.request_id))
+            if status is not None:
+                self.scheduler.finish_requests(request.request_id, status)
+                self.stats.finished_requests_total[request.get_finished_reason()] += 1
+            touched[self.output_processor.parent_of(request.request_id)] = None
+        outputs = [self.output_processor.make_output(pid) for pid in touched]
+        self._record_step(scheduler_output, len(updated), time.perf_counter() - started, model_time)
+        return outputs
+
+    def _record_step(self, scheduler_output, num_generated: int, step_time: float, model_time: float) -> None:
+        s = self.stats
+        s.num_steps += 1
+        num_decode = sum(1 for r in scheduler_output.scheduled_cached_reqs
+                         if scheduler_output.num_scheduled_tokens[r.req_id] == 1)
+        num_prefill = scheduler_output.total_num_scheduled_tokens - num_decode
+        s.prompt_tokens_total += num_prefill
+        s.generation_tokens_total += num_generated
+        s.step_time_total += step_time
+        s.model_time_total += model_time
+        sched = self.scheduler.make_stats()
+        s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage = (sched.num_running_reqs, sched.num_waiting_reqs,
+                                                                    sched.kv_cache_usage)
+        s.num_preemptions_total = sched.num_preemptions
+        s.prefix_cache_queries_total, s.prefix_cache_hits_total = sched.prefix_cache_queries, sched.prefix_cache_hits
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step %d: batch=%d prefill_tokens=%d decode_tokens=%d running=%d waiting=%d "
+                         "kv_usage=%.1f%% step_ms=%.2f model_ms=%.2f", s.num_steps,
+                         len(scheduler_output.num_scheduled_tokens), num_prefill, num_decode, s.num_running_reqs,
+                         s.num_waiting_reqs, 100 * s.kv_cache_usage, 1e3 * step_time, 1e3 * model_time)
+        now = time.monotonic()
+        last_time, last_prompt, last_gen = self._last_log
+        if now - last_time >= self.log_stats_interval:
+            elapsed = now - last_time
+            logger.info("throughput: prompt %.1f tok/s, generation %.1f tok/s; running=%d waiting=%d "
+                        "kv_usage=%.1f%% preemptions=%d", (s.prompt_tokens_total - last_prompt) / elapsed,
+                        (s.generation_tokens_total - last_gen) / elapsed, s.num_running_reqs,
+                        s.num_waiting_reqs, 100 * s.kv_cache_usage, s.num_preemptions_total)
+            self._last_log = (now, s.prompt_tokens_total, s.generation_tokens_total)
+
+    def get_stats(self) -> EngineStats:
+        sched = self.scheduler.make_stats()
+        s = self.stats
+        s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage = (sched.num_running_reqs, sched.num_waiting_reqs,
+                                                                    sched.kv_cache_usage)
+        return s
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
