@@ -102,7 +102,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; the default budget on CPU
     enable_prefix_caching: bool = True
-    cpu_kv_cache_default_bytes: int = 1 << 30
+    cpu_kv_cache_default_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
