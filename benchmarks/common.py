@@ -94,6 +94,14 @@ def machine_info(device: Any = None) -> dict[str, Any]:
     return info
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages: other work on the machine makes timings noisy."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def git_commit() -> str:
     """``git rev-parse --short HEAD``, with ``-dirty`` when tracked or untracked files differ from it."""
     def git(*args: str) -> str:

@@ -30,8 +30,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Workload, command_line, git_commit, machine_info, make_workload, model_summary, \
-    resolve_model, scrub_path, write_results
+from benchmarks.common import Workload, command_line, git_commit, load_average, machine_info, make_workload, \
+    model_summary, resolve_model, scrub_path, write_results
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"(inputs {args.min_input}-{args.max_input}, outputs {args.min_output}-{args.max_output}, "
           f"greedy, ignore_eos, seed {args.seed})", flush=True)
 
+    load_at_start = load_average()
     nova, nova_tokens, dtype = run_novainfer(args, model_dir, workload)
     print(f"NovaInfer:             {nova['output_tokens']} tokens in {nova['seconds']:.2f} s = "
           f"{nova['output_tokens_per_s']:.1f} output tok/s; {nova['steps']} steps, "
@@ -275,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     results = {
         "benchmark": "throughput (offline, nano-vllm shape)",
-        "machine": machine_info(device),
+        "machine": {**machine_info(device), "load_average_1_5_15m": {"start": load_at_start,
+                                                                     "end": load_average()}},
         "commit": git_commit(),
         "command": command_line(),
         "model": summary,

@@ -32,8 +32,10 @@ CONFIGS = {
 }
 
 
-def make_runner(model_dir, block_size: int = 4, num_blocks: int = 256) -> ModelRunner:
-    runner = ModelRunner(ModelConfig(str(model_dir)), CacheConfig(block_size=block_size), torch.device("cpu"))
+def make_runner(model_dir, block_size: int = 4, num_blocks: int = 256, device: str = "cpu",
+                dtype: str = "auto") -> ModelRunner:
+    runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype), CacheConfig(block_size=block_size),
+                         torch.device(device))
     runner.load_model()
     runner.allocate_kv_cache(num_blocks)
     return runner

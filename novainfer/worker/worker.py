@@ -75,7 +75,10 @@ class Worker:
             # Memory held outside this process's allocator (other processes, CUDA context).
             non_torch = total - free - torch.cuda.memory_reserved(self.device)
             budget = int(total * cache.gpu_memory_utilization) - peak - non_torch
-        num_blocks = budget // per_block
+        # More blocks than every sequence at full length could use only costs start-up time.
+        sched = self.config.scheduler_config
+        useful = sched.max_num_seqs * -(-sched.max_model_len // self.config.cache_config.block_size)
+        num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache on {self.device}: budget {budget} bytes, "
                                f"one block needs {per_block} bytes; raise gpu_memory_utilization or "
