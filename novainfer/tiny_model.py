@@ -171,6 +171,19 @@ def write_random_qwen2(out_dir: str | Path, *, seed: int = 0, std: float = 0.4, 
     return out_dir
 
 
+def write_mock_model(out_dir: str | Path, max_position_embeddings: int = 512) -> Path:
+    """Writes a directory for the registry's mock model (next token = last token + 1)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out_dir)
+    config = {"architectures": ["NovaInferMockForCausalLM"], "model_type": "qwen2", "vocab_size": len(tokenizer),
+              "hidden_size": 8, "num_attention_heads": 1, "num_key_value_heads": 1, "num_hidden_layers": 1,
+              "max_position_embeddings": max_position_embeddings, "torch_dtype": "float32"}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({"logit_scale": torch.ones(1)}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("NOVAINFER_CACHE", Path.home() / ".cache" / "novainfer"))
 

@@ -549,15 +549,20 @@ def test_vocab_parallel_embedding_shards_and_partial_lookups(tp, vocab):
 @pytest.mark.parametrize("tp,vocab", [(2, 10), (4, 12), (4, 10), (4, 5)])
 def test_parallel_lm_head_gathers_logits_of_every_range(tp, vocab):
     dim = 5
-    full = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(10))
+    full = traceable(vocab, dim, offset=1) / 64  # exact in float32, every element unique
     hidden = torch.randn(3, dim, generator=torch.Generator().manual_seed(11))
+    per = -(-vocab // tp)
     heads = []
     for rank in range(tp):
         head = ParallelLMHead(vocab, dim, tp_group=group(tp, rank), prefix="lm_head")
         head.weight.weight_loader(head.weight, full)
         start, end = vocab_ranges(vocab, tp)[rank]
+        assert head.weight.shape == (per, dim)
         assert torch.equal(head.weight[:end - start], full[start:end])
+        assert not head.weight[end - start:].any()  # padding rows are zero
         heads.append(head)
+    assert_exact_partition([h.weight[:end - start] for h, (start, end) in zip(heads, vocab_ranges(vocab, tp))],
+                           full, 0)
     # Stand-in for the other ranks: every rank's local logits stacked in rank order (dim 0).
     local_logits = [hidden @ h.weight.T for h in heads]
     for rank, head in enumerate(heads):

@@ -35,9 +35,11 @@ ModelRegistry = _ModelRegistry()
 
 
 def _register_builtin_models() -> None:
+    from novainfer.models.mock import MockForCausalLM
     from novainfer.models.qwen2 import Qwen2ForCausalLM
 
     ModelRegistry.register("Qwen2ForCausalLM", Qwen2ForCausalLM)
+    ModelRegistry.register("NovaInferMockForCausalLM", MockForCausalLM)
 
 
 _register_builtin_models()
