@@ -94,9 +94,9 @@ def run_novainfer(args: argparse.Namespace, model_dir: str, workload: Workload
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in workload.output_lens]
     before = _stats_snapshot(engine.get_stats())
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     outputs = llm.generate(workload.prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     after = _stats_snapshot(engine.get_stats())
     delta = {k: after[k] - before[k] for k in after}
 
@@ -113,6 +113,7 @@ def run_novainfer(args: argparse.Namespace, model_dir: str, workload: Workload
     result = {
         "output_tokens": output_tokens,
         "seconds": round(seconds, 4),
+        "process_cpu_seconds": round(cpu_seconds, 3),
         "output_tokens_per_s": round(output_tokens / seconds, 2),
         "total_tokens_per_s": round((output_tokens + workload.total_input_tokens) / seconds, 2),
         "steps": steps,
@@ -185,7 +186,7 @@ def run_transformers(args: argparse.Namespace, model_dir: str, workload: Workloa
         batches = [order[i:i + args.peer_batch_size] for i in range(0, len(order), args.peer_batch_size)]
         tokens: list[list[int]] = [[] for _ in range(workload.num_seqs)]
         generated = padded_prompt = 0
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for batch in batches:
             max_new = max(workload.output_lens[i] for i in batch)
             new = generate([workload.prompts[i] for i in batch], max_new)
@@ -193,7 +194,7 @@ def run_transformers(args: argparse.Namespace, model_dir: str, workload: Workloa
                 tokens[i] = row[:workload.output_lens[i]]
             generated += len(batch) * max_new
             padded_prompt += len(batch) * max(len(workload.prompts[i]) for i in batch)
-        seconds = time.perf_counter() - started
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     finally:
         transformers_logging.set_verbosity(verbosity)
 
@@ -202,6 +203,7 @@ def run_transformers(args: argparse.Namespace, model_dir: str, workload: Workloa
         "name": "transformers generate",
         "output_tokens": useful,
         "seconds": round(seconds, 4),
+        "process_cpu_seconds": round(cpu_seconds, 3),
         "output_tokens_per_s": round(useful / seconds, 2),
         "total_tokens_per_s": round((useful + workload.total_input_tokens) / seconds, 2),
         "generated_tokens_incl_padding_waste": generated,

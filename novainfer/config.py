@@ -147,6 +147,14 @@ def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
     if isinstance(cfg.tensor_parallel_size, bool) or not isinstance(cfg.tensor_parallel_size, int) \
             or cfg.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {cfg.tensor_parallel_size!r}")
+    # Malformed values are reported before features that are not implemented yet.
+    device_ids = cfg.tensor_parallel_device_ids
+    if device_ids is not None:
+        if len(device_ids) != cfg.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_device_ids has {len(device_ids)} entries, "
+                             f"expected tensor_parallel_size={cfg.tensor_parallel_size}")
+        if len(set(device_ids)) != len(device_ids):
+            raise ValueError(f"tensor_parallel_device_ids contains duplicates: {device_ids}")
     if cfg.pipeline_parallel_size != 1:
         raise NotImplementedError(f"pipeline_parallel_size must be 1 (pipeline parallelism is not implemented), "
                                   f"got {cfg.pipeline_parallel_size}")
@@ -163,11 +171,6 @@ def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
     cfg.local_rank = 0
     if cfg.tensor_parallel_device_ids is None:
         cfg.tensor_parallel_device_ids = list(range(cfg.tensor_parallel_size))
-    if len(cfg.tensor_parallel_device_ids) != cfg.tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_device_ids has {len(cfg.tensor_parallel_device_ids)} entries, "
-                         f"expected tensor_parallel_size={cfg.tensor_parallel_size}")
-    if len(set(cfg.tensor_parallel_device_ids)) != len(cfg.tensor_parallel_device_ids):
-        raise ValueError(f"tensor_parallel_device_ids contains duplicates: {cfg.tensor_parallel_device_ids}")
     cfg.use_single_process_tp = cfg.distributed_executor_backend == "uni"
     return cfg
 

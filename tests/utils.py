@@ -50,7 +50,9 @@ def hf_greedy(path: Path, token_ids: list[int], max_new_tokens: int, dtype: torc
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # it warns that -1 is not a real token id
     try:
-        out = model.generate(torch.tensor([token_ids], device=device), generation_config=config)
+        input_ids = torch.tensor([token_ids], device=device)
+        # An explicit mask: otherwise prompt tokens equal to pad_token_id would be masked out.
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
     finally:
         transformers_logging.set_verbosity(verbosity)
     new_tokens = out[0, len(token_ids):].tolist()

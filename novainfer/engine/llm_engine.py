@@ -93,8 +93,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab)
+        bad = next((t for t in prompt_token_ids
+                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad!r}")
         max_len = self.model_config.max_model_len
         if len(prompt_token_ids) > max_len:
