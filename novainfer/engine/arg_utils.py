@@ -26,7 +26,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # every step runs eagerly until CUDA graph capture lands
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
     log_stats_interval: float = 5.0
