@@ -113,6 +113,9 @@ class SamplingParams:
 
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed)
+            # torch.Generator.manual_seed takes a 64-bit value; anything wider would fail mid-step.
+            if not (-(2**63) <= self.seed < 2**64):
+                raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs NovaInfer, then generates text with the built-in tiny model (written on first use).
+# Installs NovaInfer, then serves the built-in tiny model (written on first use) with the
+# OpenAI-compatible API on http://127.0.0.1:8000. Extra arguments go to `novainfer serve`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec novainfer generate --prompt "${PROMPT:-Hello, my name is}" --max-tokens "${MAX_TOKENS:-32}" "$@"
+exec novainfer serve "$@"

@@ -122,3 +122,9 @@ def test_clone_is_independent():
     c.stop.append("y")
     assert p.all_stop_token_ids == {1}
     assert p.stop == ["x"]
+
+
+def test_seed_outside_64_bits_is_rejected():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    SamplingParams(seed=2**64 - 1)  # the largest a torch.Generator accepts

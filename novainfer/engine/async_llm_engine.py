@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -220,8 +221,6 @@ class AsyncLLMEngine:
                        request_id: str | None = None, arrival_time: float | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """vLLM's ``generate``: yields the request's outputs until it finishes."""
-        import uuid
-
         request_id = request_id or uuid.uuid4().hex
         stream = await self.add_request(request_id, prompt, params, arrival_time)
         async for output in stream:
@@ -258,18 +257,19 @@ class AsyncLLMEngine:
         logger.debug("engine %s: loop started", self.name)
         try:
             while True:
-                has_work = self.engine.has_unfinished_requests()
-                if not self._process_commands(block=not has_work):
+                if not self._process_commands(block=not self.engine.has_unfinished_requests()):
                     break
-                if self.engine.has_unfinished_requests():
-                    steps_before = self.engine.stats.num_steps
-                    outputs = self.engine.step()
-                    self._dispatch(outputs)
-                    if self.engine.stats.num_steps == steps_before:
-                        # Nothing could be scheduled (e.g. the KV cache is full): do not spin.
-                        self._publish()
-                        self._process_commands(block=True, timeout=_STALL_POLL_S)
-                self._publish()
+                self._publish()  # gauges see added and aborted requests before a long step
+                if not self.engine.has_unfinished_requests():
+                    continue
+                steps_before = self.engine.stats.num_steps
+                outputs = self.engine.step()
+                self._publish()  # before dispatching: whoever sees an output sees the stats of its step
+                self._dispatch(outputs)
+                if self.engine.stats.num_steps == steps_before:
+                    # Nothing could be scheduled (e.g. the KV cache is full): wait a little, not spin.
+                    if not self._process_commands(block=True, timeout=_STALL_POLL_S):
+                        break
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, never silently
             logger.exception("engine %s: loop died", self.name)
             self._die(exc)
@@ -305,8 +305,14 @@ class AsyncLLMEngine:
             error = None
             self._streams[command.request_id] = command.stream
         with self._lock:
+            # Move the request from "pending" to "waiting in the engine" in one go, so that admission
+            # control never sees it in neither (the exact figures are recomputed after the next step).
             self._pending_adds -= command.num_seqs
             self._pending_tokens -= command.num_prompt_tokens
+            if error is None:
+                load = self._load
+                self._load = EngineLoad(load.num_running, load.num_waiting + command.num_seqs,
+                                        load.num_waiting_prompt_tokens + command.num_prompt_tokens)
         try:
             loop.call_soon_threadsafe(_resolve, command.future, None, error)
         except RuntimeError:  # loop closed: the caller is gone

@@ -1,4 +1,4 @@
-"""``novainfer`` command line: generate, chat, tiny-model."""
+"""``novainfer`` command line: generate, chat, serve, tiny-model."""
 
 from __future__ import annotations
 
@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     cli_args.add_sampling_args(chat, {"temperature": 0.7, "max_tokens": 128})
     cli_args.add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from novainfer.entrypoints.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
 
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Qwen2 model directory")
     tiny.add_argument("--out", required=True)

@@ -1,0 +1,335 @@
+"""Online serving benchmark in the style of ``vllm bench serve``: streaming requests against a server.
+
+Prompts are the first turns of ShareGPT conversations (``../shared/data/sharegpt_v3_first_turns_500.json``
+relative to the repository root, when present) or random words. Requests arrive as a Poisson
+process (``--request-rate``, requests per second; ``inf``: all at once), optionally capped at
+``--max-concurrency`` in flight. Every request streams (``stream_options.include_usage``) with a fixed
+``--output-len`` and ``ignore_eos``, so each produces exactly that many tokens.
+
+Reported: request throughput, output and total token throughput, and TTFT (time to first token),
+TPOT (time per output token after the first), ITL (gap between streamed chunks) and E2E latency,
+each as mean / median / p99 in milliseconds.
+
+    python benchmarks/serve.py                                 # starts a tiny-model server on CPU
+    python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model-name my-model --num-prompts 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import REPO_ROOT, command_line, git_commit, load_average, machine_info, model_summary, \
+    resolve_model, scrub_path, write_results
+
+DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_turns_500.json"
+_WORDS = ("the model reads a book about history science music and mathematics then answers questions "
+          "politely and briefly while the engine batches requests and streams tokens").split()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    target = p.add_argument_group("server")
+    target.add_argument("--base-url", default=None,
+                        help="benchmark this running server (default: start `novainfer serve` on a free port)")
+    target.add_argument("--model", default=None, help="model directory for the started server (default: tiny)")
+    target.add_argument("--tiny-config", default=None, help="JSON overrides for a tiny model variant")
+    target.add_argument("--model-name", default=None,
+                        help="served model name to request (default: the server's first model)")
+    target.add_argument("--api-key", default=None)
+    target.add_argument("--server-args", default="",
+                        help="extra flags for the started server, e.g. '--max-num-seqs 64 --device cuda'")
+    load = p.add_argument_group("workload")
+    load.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    load.add_argument("--dataset", default=None,
+                      help="ShareGPT-style JSON (default: the shared first-turns file when present, else random)")
+    load.add_argument("--num-prompts", type=int, default=64)
+    load.add_argument("--max-input-tokens", type=int, default=256,
+                      help="prompts are cut to at most this many words (keeps CPU runs short)")
+    load.add_argument("--random-input-words", type=int, default=64, help="words per random prompt")
+    load.add_argument("--output-len", type=int, default=32, help="max_tokens of every request (EOS ignored)")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="Poisson arrival rate in requests/s (inf: send all at once)")
+    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    load.add_argument("--seed", type=int, default=0)
+    out = p.add_argument_group("output")
+    out.add_argument("--output", default=None,
+                     help="results file name under benchmarks/results/ (default: serve_<device>_<model>)")
+    out.add_argument("--commit", default=None, help="commit to record (default: asks git)")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.output_len < 1:
+        p.error("--num-prompts and --output-len must be >= 1")
+    if args.request_rate <= 0:
+        p.error("--request-rate must be > 0 (inf for all at once)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be >= 1")
+    return args
+
+
+# ---- workload ----------------------------------------------------------------------------------------
+def load_prompts(args: argparse.Namespace) -> tuple[list[str], str]:
+    """``num_prompts`` prompts and a description of where they came from."""
+    rng = random.Random(args.seed)
+    path = Path(args.dataset) if args.dataset else DEFAULT_DATASET
+    if path.is_file():
+        data = json.loads(path.read_text())
+        texts = [conv["conversations"][0]["value"] for conv in data
+                 if conv.get("conversations") and conv["conversations"][0].get("value", "").strip()]
+        rng.shuffle(texts)
+        prompts = [" ".join(t.split()[: args.max_input_tokens]) for t in texts[: args.num_prompts]]
+        while len(prompts) < args.num_prompts:  # small datasets repeat
+            prompts.append(prompts[len(prompts) % max(1, len(texts))])
+        return prompts, f"sharegpt: {_display_path(path)}"
+    if args.dataset:
+        raise SystemExit(f"--dataset {args.dataset!r} does not exist")
+    prompts = [" ".join(rng.choice(_WORDS) for _ in range(args.random_input_words)) for _ in range(args.num_prompts)]
+    return prompts, f"random: {args.random_input_words} words per prompt"
+
+
+def _display_path(path: Path) -> str:
+    """A path for the results file: relative to the repository when near it, never absolute."""
+    resolved = path.resolve()
+    for base, prefix in ((REPO_ROOT, ""), (REPO_ROOT.parent, "../")):
+        try:
+            return prefix + str(resolved.relative_to(base))
+        except ValueError:
+            continue
+    scrubbed = scrub_path(str(resolved))
+    return scrubbed if not Path(scrubbed).is_absolute() else resolved.name
+
+
+# ---- one request ----------------------------------------------------------------------------------------
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+async def send_request(client, args: argparse.Namespace, model: str, prompt: str) -> RequestResult:
+    if args.endpoint == "chat":
+        path = "/v1/chat/completions"
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}]}
+    else:
+        path = "/v1/completions"
+        body = {"prompt": prompt}
+    body.update(model=model, max_tokens=args.output_len, ignore_eos=True, temperature=0.0, stream=True,
+                stream_options={"include_usage": True})
+    result = RequestResult()
+    started = time.perf_counter()
+    last = started
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message")
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or []
+                text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
+                if text:
+                    now = time.perf_counter()
+                    if result.ttft is None:
+                        result.ttft = now - started
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except Exception as exc:  # a failed request is a result, not a crash of the benchmark
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = time.perf_counter() - started
+    result.ok = result.ttft is not None
+    if not result.ok:
+        result.error = "no tokens streamed"
+    return result
+
+
+async def run_load(args: argparse.Namespace, base_url: str, model: str, prompts: list[str]
+                   ) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    rng = random.Random(args.seed + 1)
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+    async def limited(client, prompt: str) -> RequestResult:
+        if semaphore is None:
+            return await send_request(client, args, model, prompt)
+        async with semaphore:
+            return await send_request(client, args, model, prompt)
+
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(3600.0),
+                                 limits=limits) as client:
+        await send_request(client, args, model, "warm up")  # first-request costs stay out of the numbers
+        tasks = []
+        started = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(client, prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+    return list(results), duration
+
+
+# ---- statistics -----------------------------------------------------------------------------------------
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _summary_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    return {"mean": round(1e3 * statistics.fmean(values), 3), "median": round(1e3 * statistics.median(values), 3),
+            "p99": round(1e3 * _percentile(values, 99), 3)}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.ttft is not None]
+    errors = sorted({r.error for r in results if r.error})
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "errors": errors[:5],
+        "duration_s": round(duration, 3),
+        "total_input_tokens": prompt_tokens, "total_output_tokens": output_tokens,
+        "request_throughput_per_s": round(len(ok) / duration, 3),
+        "output_throughput_tok_per_s": round(output_tokens / duration, 2),
+        "total_token_throughput_tok_per_s": round((prompt_tokens + output_tokens) / duration, 2),
+        "ttft_ms": _summary_ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": _summary_ms(tpot),
+        "itl_ms": _summary_ms([gap for r in ok for gap in r.itl]),
+        "e2e_latency_ms": _summary_ms([r.e2e for r in ok]),
+    }
+
+
+# ---- the server under test -------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class StartedServer:
+    """``novainfer serve`` in a subprocess on a free loopback port, stopped on exit."""
+
+    def __init__(self, model_dir: str, server_args: list[str], api_key: str | None) -> None:
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.public_argv = ["serve", scrub_path(model_dir), *server_args, "--disable-log-requests"]
+        self.argv = ["serve", model_dir, *server_args, "--disable-log-requests", "--port", str(self.port)]
+        if api_key:
+            self.argv += ["--api-key", api_key]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> StartedServer:
+        import httpx
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "novainfer.entrypoints.cli.main", *self.argv],
+                                     cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited with {self.proc.returncode}:\n{self.proc.stderr.read()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.__exit__()
+        raise SystemExit("the server did not become healthy within 600 s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def first_model(base_url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    prompts, source = load_prompts(args)
+    model_info: dict[str, Any] | None = None
+    tag = "remote"
+    load_start = load_average()
+    if args.base_url:
+        base_url = args.base_url.rstrip("/")
+        model = args.model_name or first_model(base_url, args.api_key)
+        results, duration = asyncio.run(run_load(args, base_url, model, prompts))
+        server_command = None
+    else:
+        model_dir, tag = resolve_model(args.model, args.tiny_config)
+        model_info = model_summary(model_dir, json.loads(args.tiny_config) if args.tiny_config else None)
+        with StartedServer(model_dir, shlex.split(args.server_args), args.api_key) as server:
+            model = args.model_name or first_model(server.base_url, args.api_key)
+            results, duration = asyncio.run(run_load(args, server.base_url, model, prompts))
+        server_command = shlex.join(["novainfer", *server.public_argv])
+    device = "cuda" if "cuda" in args.server_args else "cpu"
+    summary = summarize(results, duration)
+    report = {
+        "benchmark": "serve (online, vllm bench serve shape)",
+        "machine": {**machine_info(device), "load_average_1_5_15m": {"start": load_start, "end": load_average()}},
+        "commit": args.commit or git_commit(),
+        "command": command_line(),
+        "server_command": server_command,
+        "model": model_info,
+        "workload": {"endpoint": args.endpoint, "prompts": source, "num_prompts": args.num_prompts,
+                     "max_input_words": args.max_input_tokens, "output_len": args.output_len, "ignore_eos": True,
+                     "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+                     "max_concurrency": args.max_concurrency, "seed": args.seed, "stream": True},
+        "results": summary,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    name = args.output or f"serve_{device}_{tag}"
+    path = write_results(name, report)
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {scrub_path(str(path))}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

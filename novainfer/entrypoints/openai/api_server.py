@@ -1,0 +1,225 @@
+"""The OpenAI-compatible HTTP server: app factory, routes, and running it under uvicorn.
+
+    novainfer serve [MODEL ...] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET|DELETE
+/v1/sessions[/{id}], POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import novainfer
+from novainfer.entrypoints.openai.admission import AdmissionController, AdmissionLimits
+from novainfer.entrypoints.openai.config import ServerConfig
+from novainfer.entrypoints.openai.errors import OpenAIError, error_body, install_exception_handlers, \
+    request_id_of
+from novainfer.entrypoints.openai.metrics import ServerMetrics
+from novainfer.entrypoints.openai.middleware import ApiKeyMiddleware, RequestIdMiddleware
+from novainfer.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, \
+    CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, \
+    HealthResponse, ModelCard, ModelList, SessionDeleted, SessionDetail, SessionInfo, SessionList, \
+    TokenizeRequest, TokenizeResponse, VersionResponse
+from novainfer.entrypoints.openai.served_models import ModelRegistry
+from novainfer.entrypoints.openai.serving_chat import ChatHandler, plain_messages, render_chat
+from novainfer.entrypoints.openai.serving_common import ServerContext
+from novainfer.entrypoints.openai.serving_completion import CompletionHandler
+from novainfer.entrypoints.openai.sessions import Session, SessionStore
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _context(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def _session_info(session: Session, cls=SessionInfo, **extra) -> SessionInfo:
+    return cls(id=session.id, model=session.model, created=int(session.created), last_used=int(session.last_used),
+               num_messages=len(session.messages), **extra)
+
+
+def _routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+                 responses={**_ERRORS, 200: {"content": _SSE}})
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await ChatHandler(_context(request), body, request).handle()
+
+    @router.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}})
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await CompletionHandler(_context(request), body, request).handle()
+
+    @router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models(request: Request) -> ModelList:
+        models = _context(request).models
+        lengths = {m.name: m.max_model_len for m in models.ready_models()}
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=lengths.get(name))
+                               for name in models.names])
+
+    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def get_model(model_id: str, request: Request) -> ModelCard:
+        model = _context(request).models.get(model_id)
+        return ModelCard(id=model.name, root=model.name, max_model_len=model.max_model_len)
+
+    @router.get("/v1/sessions", response_model=SessionList, responses=_ERRORS)
+    async def list_sessions(request: Request) -> SessionList:
+        return SessionList(data=[_session_info(s) for s in _context(request).sessions.list()])
+
+    @router.get("/v1/sessions/{session_id}", response_model=SessionDetail, responses=_ERRORS)
+    async def get_session(session_id: str, request: Request) -> SessionDetail:
+        session = _context(request).sessions.get(session_id)
+        if session is None:
+            raise OpenAIError(f"no session '{session_id}' (never created, deleted, or expired)", 404,
+                              param="session_id", code="session_not_found")
+        return _session_info(session, SessionDetail, messages=session.messages)
+
+    @router.delete("/v1/sessions/{session_id}", response_model=SessionDeleted, responses=_ERRORS)
+    async def delete_session(session_id: str, request: Request) -> SessionDeleted:
+        if not _context(request).sessions.delete(session_id):
+            raise OpenAIError(f"no session '{session_id}' (never created, deleted, or expired)", 404,
+                              param="session_id", code="session_not_found")
+        return SessionDeleted(id=session_id)
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        model = _context(request).models.get(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError("give exactly one of 'prompt' and 'messages'", param="prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise OpenAIError("messages must not be empty", param="messages")
+            tokens = await model.run_tokenizer(render_chat, model, plain_messages(body.messages),
+                                               body.add_generation_prompt)
+        else:
+            tokens = await model.run_tokenizer(model.tokenizer.encode, body.prompt,
+                                               add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=model.max_model_len, tokens=tokens)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        model = _context(request).models.get(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < model.vocab_size), None)
+        if bad is not None:
+            raise OpenAIError(f"tokens must be in [0, {model.vocab_size}), got {bad}", param="tokens")
+        return DetokenizeResponse(prompt=await model.run_tokenizer(model.tokenizer.decode, body.tokens))
+
+    @router.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def health(request: Request) -> Response:
+        healthy, reason = _context(request).models.health()
+        if healthy:
+            return JSONResponse({"status": "ok"})
+        err = OpenAIError(reason, 503, code="unhealthy")
+        return JSONResponse(error_body(err, request_id_of(request)), status_code=503)
+
+    @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(_context(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=novainfer.__version__)
+
+    return router
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents validation failures as 422; this server answers them with 400."""
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses.setdefault("400", {"description": "Bad Request",
+                                                     "content": {"application/json": {
+                                                         "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | None = None,
+              on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
+    """The ASGI app. With ``registry`` (already loaded engines) nothing is loaded at startup;
+    otherwise the models of ``config`` load in the background once the app starts."""
+    if config is None and registry is None:
+        raise ValueError("build_app needs a ServerConfig or a ModelRegistry")
+    config = config or ServerConfig(models=registry.specs)
+    owns_registry = registry is None
+    registry = registry or ModelRegistry(config.models)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if owns_registry:
+            registry.load_in_background(on_load_failure)
+        try:
+            yield
+        finally:
+            if owns_registry:
+                registry.shutdown()
+
+    app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan,
+                  max_body_size=config.max_body_bytes)
+    app.state.ctx = ServerContext(models=registry, admission=AdmissionController(config.limits),
+                                  metrics=ServerMetrics(registry.stats),
+                                  sessions=SessionStore(config.max_sessions, config.session_ttl_s),
+                                  log_requests=config.log_requests)
+    app.state.config = config
+    install_exception_handlers(app)
+    app.include_router(_routes())
+    _document_400_not_422(app)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)  # added last = outermost
+    return app
+
+
+def run_server(config: ServerConfig) -> int:
+    """Serves until interrupted; returns a process exit code (1 if the models failed to load)."""
+    import uvicorn
+
+    failure: list[str] = []
+    server_ref: list[uvicorn.Server] = []
+
+    def on_load_failure(reason: str) -> None:
+        failure.append(reason)
+        if server_ref:
+            server_ref[0].should_exit = True
+
+    app = build_app(config, on_load_failure=on_load_failure)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+                               access_log=False, timeout_graceful_shutdown=config.graceful_shutdown_s,
+                               lifespan="on")
+    server = uvicorn.Server(uv_config)
+    server_ref.append(server)
+    names = ", ".join(s.name for s in config.models)
+    logger.info("serving %s on http://%s:%d (loading models in the background)", names, config.host, config.port)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown
+        pass
+    if failure:
+        logger.error("server stopped: %s", failure[0])
+        return 1
+    return 0
+
+
+__all__ = ["AdmissionLimits", "ServerConfig", "build_app", "run_server"]

@@ -1,0 +1,166 @@
+"""The models a server serves: one AsyncLLMEngine per model, looked up by the request's ``model``.
+
+Engines load in a background thread after the HTTP server is already listening, so ``/health``
+can answer 503 (loading) instead of refusing connections. A load failure is fatal: it is logged
+and reported through ``on_failure`` (the CLI stops the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from novainfer.engine.arg_utils import EngineArgs
+from novainfer.engine.async_llm_engine import AsyncLLMEngine
+from novainfer.engine.llm_engine import EngineStats
+from novainfer.entrypoints.openai.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to serve: the served name and the engine arguments (``model`` is the directory)."""
+
+    name: str
+    engine_args: EngineArgs
+
+
+@dataclass
+class ServedModel:
+    name: str
+    engine: AsyncLLMEngine
+    tokenizer: Any  # the server's own instance: the engine thread's one is never shared
+    max_model_len: int
+    vocab_size: int
+    # Tokenizing a long prompt or rendering a chat template takes a while: it runs on this one
+    # thread (one at a time, so the tokenizer is never used concurrently), not on the event loop.
+    tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="novainfer-tokenizer"))
+
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_thread, functools.partial(fn, *args, **kwargs))
+
+
+class LoadState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class ModelRegistry:
+    def __init__(self, specs: list[ModelSpec]) -> None:
+        if not specs:
+            raise ValueError("at least one model must be served")
+        names = [s.name for s in specs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"served model names must be unique, got {duplicates} more than once")
+        self.specs = specs
+        self.names = names
+        self._models: dict[str, ServedModel] = {}
+        self.state = LoadState.LOADING
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- loading ------------------------------------------------------------------------------
+    @classmethod
+    def from_engines(cls, engines: dict[str, AsyncLLMEngine]) -> ModelRegistry:
+        """A registry around engines built elsewhere (tests, embedding the app)."""
+        registry = cls([ModelSpec(name, EngineArgs()) for name in engines])
+        for name, engine in engines.items():
+            registry._models[name] = registry._serve(name, engine)
+        registry.state = LoadState.READY
+        return registry
+
+    @staticmethod
+    def _serve(name: str, engine: AsyncLLMEngine) -> ServedModel:
+        from transformers import AutoTokenizer
+
+        config = engine.model_config
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
+        return ServedModel(name, engine, tokenizer, config.max_model_len, config.vocab_size)
+
+    def load(self) -> None:
+        """Loads every model in the calling thread; sets ``state``."""
+        try:
+            for spec in self.specs:
+                logger.info("loading model '%s'", spec.name)
+                engine = AsyncLLMEngine.from_engine_args(spec.engine_args, name=spec.name)
+                self._models[spec.name] = self._serve(spec.name, engine)
+                logger.info("model '%s' ready (max_model_len=%d)", spec.name,
+                            self._models[spec.name].max_model_len)
+        except Exception as exc:
+            logger.exception("loading the models failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.state = LoadState.FAILED
+            raise
+        if self.state == LoadState.LOADING:
+            self.state = LoadState.READY
+        else:  # stopped while loading
+            self.shutdown()
+
+    def load_in_background(self, on_failure: Callable[[str], None] | None = None) -> None:
+        def run() -> None:
+            try:
+                self.load()
+            except Exception:
+                if on_failure is not None:
+                    on_failure(self.error or "model loading failed")
+
+        self._thread = threading.Thread(target=run, name="novainfer-model-loader", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self.state = LoadState.STOPPED
+        for model in self._models.values():
+            model.engine.shutdown()
+            model.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason)."""
+        if self.state == LoadState.LOADING:
+            return False, "the server is loading its model(s)"
+        if self.state == LoadState.FAILED:
+            return False, f"loading the model(s) failed: {self.error}"
+        if self.state == LoadState.STOPPED:
+            return False, "the server is shutting down"
+        dead = [name for name, m in self._models.items() if not m.engine.is_healthy]
+        if dead:
+            errors = "; ".join(str(self._models[n].engine.dead_error or "stopped") for n in dead)
+            return False, f"engine(s) {dead} are not running: {errors}"
+        return True, "ok"
+
+    def get(self, name: str | None) -> ServedModel:
+        """The served model named by a request (None: the first); raises OpenAIError 404/503."""
+        if name is not None and name not in self.names:
+            served = ", ".join(f"'{n}'" for n in self.names)
+            raise OpenAIError(f"the model '{name}' does not exist; this server serves {served}", 404,
+                              param="model", code="model_not_found")
+        name = name if name is not None else self.names[0]
+        if self.state != LoadState.READY:
+            _, reason = self.health()
+            raise OpenAIError(reason, 503, code="not_ready")
+        model = self._models[name]
+        if not model.engine.is_healthy:
+            raise OpenAIError(f"the engine of model '{name}' is not running: {model.engine.dead_error}", 503,
+                              code="engine_dead")
+        return model
+
+    def ready_models(self) -> list[ServedModel]:
+        return [self._models[n] for n in self.names if n in self._models]
+
+    def stats(self) -> dict[str, EngineStats]:
+        return {m.name: m.engine.get_stats() for m in self.ready_models()}

@@ -1,0 +1,181 @@
+"""What chat and completion requests share: sampling params, length checks, admission, submission."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from novainfer.engine.async_llm_engine import EngineDeadError, RequestStream
+from novainfer.entrypoints.openai.admission import AdmissionController, Ticket
+from novainfer.entrypoints.openai.errors import OpenAIError, param_from_message, request_id_of
+from novainfer.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from novainfer.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from novainfer.entrypoints.openai.served_models import ModelRegistry, ServedModel
+from novainfer.entrypoints.openai.sessions import SessionStore
+from novainfer.outputs import RequestOutput
+from novainfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerContext:
+    """Everything a request handler needs, built once per app."""
+
+    models: ModelRegistry
+    admission: AdmissionController
+    metrics: ServerMetrics
+    sessions: SessionStore
+    log_requests: bool = True
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def client_key(request: Request, user: str | None) -> str:
+    """Who a request counts against for the per-client limit: its ``user``, else its address."""
+    if user:
+        return f"user:{user}"
+    host = request.client.host if request.client else "unknown"
+    return f"ip:{host}"
+
+
+class RequestScope:
+    """Cleanup callbacks of one API request, run once (in reverse order) however the request ends."""
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], None]] = []
+        self.closed = False
+
+    def add(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for callback in reversed(self._callbacks):
+            try:
+                callback()
+            except Exception:  # one failing cleanup must not skip the others
+                logger.exception("request cleanup failed")
+
+
+_SAMPLING_NAMES = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+                   "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+                   "logprobs", "skip_special_tokens", "include_stop_str_in_output")
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams; invalid combinations are 400s naming the field."""
+    kwargs = dict(n=body.n, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                  temperature=1.0 if body.temperature is None else body.temperature,
+                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stop,
+                  stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, max_tokens=max_tokens,
+                  min_tokens=body.min_tokens, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+                  include_stop_str_in_output=body.include_stop_str_in_output)
+    if body.top_k is not None:
+        kwargs["top_k"] = body.top_k
+    if body.min_p is not None:
+        kwargs["min_p"] = body.min_p
+    if body.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = body.repetition_penalty
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise OpenAIError(f"invalid sampling parameters: {exc}",
+                          param=param_from_message(str(exc), _SAMPLING_NAMES)) from None
+
+
+def check_lengths(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
+    """Prompt alone, and prompt plus requested output, must fit in the model's context."""
+    if num_prompt_tokens == 0:
+        raise OpenAIError("the prompt is empty", param=prompt_param)
+    if num_prompt_tokens > max_model_len:
+        raise OpenAIError(f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+                          f"{num_prompt_tokens} tokens", param=prompt_param, code="context_length_exceeded")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise OpenAIError(f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens} "
+                          f"prompt tokens plus max_tokens={max_tokens} makes {num_prompt_tokens + max_tokens}; "
+                          f"lower max_tokens or shorten the prompt", param="max_tokens",
+                          code="context_length_exceeded")
+
+
+@dataclass
+class Submission:
+    """An admitted request's engine streams (one per prompt) and its bookkeeping."""
+
+    model: ServedModel
+    streams: list[RequestStream]
+    tracker: RequestTracker
+    scope: RequestScope
+    arrival_time: float
+    engine_ids: list[str] = field(default_factory=list)
+
+
+async def submit(ctx: ServerContext, request: Request, model: ServedModel, response_id: str, endpoint: str,
+                 prompts: list[list[int]], params: SamplingParams, user: str | None, arrival_time: float,
+                 scope: RequestScope) -> Submission:
+    """Admits the request and hands its prompts to the engine.
+
+    Returns only once the engine has accepted every prompt, so every error here (400, 429, 503) is
+    raised before any response byte is sent. On error everything already added is aborted.
+    """
+    num_tokens = sum(len(p) for p in prompts) * params.n
+    num_seqs = len(prompts) * params.n
+    try:
+        ticket: Ticket = ctx.admission.admit(model.name, model.engine, client_key(request, user), num_seqs,
+                                             num_tokens)
+    except OpenAIError as err:
+        if err.status == 429:
+            ctx.metrics.requests_rejected.labels(model.name, err.code or "overloaded").inc()
+        raise
+    scope.add(ticket.release)
+    tracker = RequestTracker(ctx.metrics, request_id_of(request) or response_id, model.name, endpoint,
+                             arrival_time, ctx.log_requests, response_id=response_id)
+    tracker.set_usage(sum(len(p) for p in prompts), 0, 0)
+    scope.add(lambda: tracker.finish("aborted"))  # if nothing reports a better status first
+    submission = Submission(model, [], tracker, scope, arrival_time)
+    for index, prompt in enumerate(prompts):
+        engine_id = response_id if len(prompts) == 1 else f"{response_id}-{index}"
+        ticket.submitted(params.n, len(prompt) * params.n)  # from here on the engine counts it
+        try:
+            stream = await model.engine.add_request(engine_id, {"prompt_token_ids": prompt}, params,
+                                                    arrival_time=arrival_time, num_prompt_tokens=len(prompt))
+        except (ValueError, TypeError) as exc:
+            param = "messages" if endpoint == "chat" else "prompt"
+            raise OpenAIError(f"invalid request: {exc}",
+                              param=param_from_message(str(exc), _SAMPLING_NAMES) or param) from None
+        except EngineDeadError as exc:
+            raise OpenAIError(f"the engine of model '{model.name}' is not running: {exc}", 503,
+                              code="engine_dead") from None
+        submission.streams.append(stream)
+        submission.engine_ids.append(engine_id)
+        scope.add(stream.abort)
+    return submission
+
+
+def usage_of(finals: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    usage.prompt_tokens_details.cached_tokens = cached
+    return usage
+
+
+def engine_failure(exc: BaseException) -> OpenAIError:
+    """An error while waiting for outputs, as the client sees it."""
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(f"the engine failed while serving this request: {exc}", 500, code="engine_dead")
+    return OpenAIError("internal server error while generating; the server logged the details", 500)
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,123 @@
+"""Server-sent events, merging several request streams, and disconnect detection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from novainfer.engine.async_llm_engine import RequestStream
+from novainfer.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always runs ``on_close``, however the stream ends.
+
+    Starlette cancels the body iterator when the client disconnects, possibly before the iterator
+    ever started (then its ``finally`` never runs); ``on_close`` is the guaranteed cleanup.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kwargs.pop("headers", {})}
+        super().__init__(content, headers=headers, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # cleanup of an already-broken stream must not mask the real end
+                    logger.debug("closing an SSE body iterator failed", exc_info=True)
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields (index of the stream, output) from several streams as outputs arrive."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((index, exc))
+            return
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                if isinstance(item, asyncio.CancelledError):
+                    remaining -= 1
+                    continue
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the body is already read, so only a disconnect can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits ``work``; if the client disconnects first, cancels it and raises ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,307 @@
+"""In-process tests of the server's parts: AsyncLLMEngine, the app on injected engines, sessions,
+admission control and the ``serve`` command line. No subprocess, no sockets."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from novainfer import LLM, SamplingParams
+from novainfer.engine.arg_utils import EngineArgs
+from novainfer.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from novainfer.entrypoints.cli.main import build_parser
+from novainfer.entrypoints.cli.serve import TINY_MODEL_NAME, server_config_from
+from novainfer.entrypoints.openai.admission import AdmissionController, AdmissionLimits
+from novainfer.entrypoints.openai.api_server import build_app
+from novainfer.entrypoints.openai.errors import OpenAIError
+from novainfer.entrypoints.openai.served_models import ModelRegistry
+from novainfer.entrypoints.openai.sessions import SessionStore
+from tests.utils import tiny_model
+
+KV_BYTES = 8 << 20
+
+
+def make_engine(name: str = "tiny") -> AsyncLLMEngine:
+    return AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model()), kv_cache_memory_bytes=KV_BYTES),
+                                           name=name)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(str(tiny_model()), kv_cache_memory_bytes=KV_BYTES)
+
+
+# ---- AsyncLLMEngine ---------------------------------------------------------------------------------------
+def test_async_engine_concurrent_generate_matches_offline(offline):
+    prompts = [f"Hello number {i}, how are you" for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True) for i in range(6)]
+    expected = [o.outputs[0] for o in offline.generate(prompts, params, use_tqdm=False)]
+    engine = make_engine()
+
+    async def run_one(i: int) -> tuple[str, list[int]]:
+        deltas, final = [], None
+        async for output in engine.generate(prompts[i], params[i], request_id=f"r{i}"):
+            deltas.append(output.outputs[0].delta_text)
+            final = output
+        return "".join(deltas), final.outputs[0].token_ids
+
+    async def main():
+        return await asyncio.gather(*(run_one(i) for i in range(6)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for (text, ids), exp in zip(results, expected):
+        assert text == exp.text and ids == exp.token_ids
+
+
+def test_async_engine_validation_error_and_abort_frees_blocks():
+    engine = make_engine()
+
+    async def main():
+        with pytest.raises(ValueError, match="prompt"):
+            await engine.add_request("bad", {"prompt_token_ids": []}, SamplingParams(max_tokens=2))
+        stream = await engine.add_request("long", "Hello", SamplingParams(max_tokens=1000, ignore_eos=True))
+        count = 0
+        async for _ in stream:
+            count += 1
+            if count == 3:
+                break  # leaving the iteration aborts the request
+        for _ in range(200):
+            stats = engine.get_stats()
+            if stats.num_running_reqs == 0 and stats.kv_cache_usage == 0:
+                break
+            await asyncio.sleep(0.01)
+        return engine.get_stats()
+
+    try:
+        stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
+    assert stats.finished_requests_total["abort"] == 1
+
+
+def _break_after(engine: AsyncLLMEngine, num_steps: int) -> None:
+    real_step = engine.engine.step
+    calls = {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] > num_steps:
+            raise RuntimeError("simulated device failure")
+        return real_step()
+
+    engine.engine.step = step
+
+
+def test_async_engine_death_fails_in_flight_and_new_requests():
+    engine = make_engine()
+    _break_after(engine, 3)
+
+    async def main():
+        stream = await engine.add_request("a", "Hello", SamplingParams(max_tokens=100, ignore_eos=True))
+        with pytest.raises(EngineDeadError, match="simulated device failure"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("b", "Hello", SamplingParams(max_tokens=2))
+
+    try:
+        asyncio.run(main())
+        assert not engine.is_healthy
+    finally:
+        engine.shutdown()
+
+
+# ---- the app on injected engines ----------------------------------------------------------------------------
+def test_app_engine_death_gives_500_then_health_503():
+    engine = make_engine()
+    app = build_app(registry=ModelRegistry.from_engines({"tiny": engine}))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/health")).status_code == 200
+            ok = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert ok.status_code == 200
+            _break_after(engine, 2)
+            failed = await client.post("/v1/completions",
+                                       json={"prompt": "Hi", "max_tokens": 50, "ignore_eos": True})
+            assert failed.status_code == 500
+            error = failed.json()["error"]
+            assert error["type"] == "server_error" and "Traceback" not in failed.text
+            health = await client.get("/health")
+            assert health.status_code == 503 and "simulated device failure" in health.json()["error"]["message"]
+            refused = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 503
+            stream = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "stream": True})
+            assert stream.status_code == 503
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_app_engine_death_mid_stream_ends_the_stream_with_an_error_event():
+    engine = make_engine()
+    app = build_app(registry=ModelRegistry.from_engines({"tiny": engine}))
+    _break_after(engine, 3)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            response = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 50, "ignore_eos": True,
+                "stream": True})
+            assert response.status_code == 200  # the failure came after the stream started
+            events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["type"] == "server_error" and "simulated device failure" in error["message"]
+            assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+            assert (await client.get("/health")).status_code == 503
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_app_unexpected_error_is_a_generic_500(monkeypatch):
+    engine = make_engine()
+    app = build_app(registry=ModelRegistry.from_engines({"tiny": engine}))
+    from novainfer.entrypoints.openai import serving_completion
+
+    def explode(*args, **kwargs):
+        raise KeyError("secret internal detail")
+
+    monkeypatch.setattr(serving_completion, "tokenize_prompts", explode)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            response = await client.post("/v1/completions", json={"prompt": "Hi"}, headers={"X-Request-Id": "r-1"})
+            assert response.status_code == 500
+            assert response.headers["X-Request-Id"] == "r-1"
+            error = response.json()["error"]
+            assert error["request_id"] == "r-1" and "secret" not in response.text and "Traceback" not in response.text
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+# ---- sessions -------------------------------------------------------------------------------------------------
+def test_session_store_lru_and_ttl():
+    now = [0.0]
+    store = SessionStore(max_sessions=2, ttl_s=10.0, clock=lambda: now[0])
+    store.save("a", "m", [{"role": "user", "content": "1"}])
+    store.save("b", "m", [])
+    assert store.get("a") is not None  # reading does not count as use: a turn that completes saves
+    store.save("c", "m", [])  # evicts the least recently saved: a
+    assert [s.id for s in store.list()] == ["c", "b"]
+    now[0] = 5.0
+    store.save("b", "m", [{"role": "user", "content": "2"}])
+    now[0] = 12.0  # c idle for 12 s > ttl; b for 7 s
+    assert store.get("c") is None and store.get("b") is not None
+    assert store.delete("b") and not store.delete("b") and len(store) == 0
+    with pytest.raises(ValueError):
+        SessionStore(max_sessions=0)
+
+
+# ---- admission ------------------------------------------------------------------------------------------------
+class _FakeEngine:
+    def __init__(self, waiting: int = 0, tokens: int = 0) -> None:
+        from novainfer.engine.async_llm_engine import EngineLoad
+
+        self.load = EngineLoad(0, waiting, tokens)
+
+    def get_load(self):
+        return self.load
+
+
+def test_admission_bounds_reservations_and_clients():
+    controller = AdmissionController(AdmissionLimits(max_waiting_requests=4, max_queued_prompt_tokens=100,
+                                                     max_concurrent_per_client=2, retry_after_s=3))
+    engine = _FakeEngine(waiting=1)
+    first = controller.admit("m", engine, "ip:1", num_seqs=2, num_prompt_tokens=10)
+    with pytest.raises(OpenAIError) as info:  # 1 waiting + 2 reserved + 2 > 4
+        controller.admit("m", engine, "ip:2", num_seqs=2, num_prompt_tokens=10)
+    assert info.value.status == 429 and info.value.headers["Retry-After"] == "3"
+    first.submitted(2, 10)  # the engine now counts them (here: it does not, so room appears)
+    second = controller.admit("m", engine, "ip:1", num_seqs=1, num_prompt_tokens=10)
+    with pytest.raises(OpenAIError) as info:
+        controller.admit("m", engine, "ip:1", num_seqs=1, num_prompt_tokens=10)
+    assert info.value.code == "client_concurrency_limit"
+    with pytest.raises(OpenAIError) as info:
+        controller.admit("m", engine, "ip:3", num_seqs=5, num_prompt_tokens=1)
+    assert info.value.status == 400
+    with pytest.raises(OpenAIError) as info:
+        controller.admit("m", _FakeEngine(tokens=95), "ip:3", num_seqs=1, num_prompt_tokens=10)
+    assert info.value.status == 429 and "prompt tokens" in info.value.message
+    first.release()
+    second.release()
+    second.release()  # idempotent
+    assert controller.admit("m", engine, "ip:1", 1, 1) is not None
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_command_line():
+    config = server_config_from(_parse())
+    assert [s.name for s in config.models] == [TINY_MODEL_NAME] and config.models[0].engine_args.model is None
+    assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
+
+    config = server_config_from(_parse("dirA", "--model", "dirB", "--served-model-name", "a", "--port", "9001",
+                                       "--api-key", "k", "--max-num-seqs", "8", "--max-waiting-requests", "3",
+                                       "--session-ttl", "60"))
+    assert [(s.name, s.engine_args.model) for s in config.models] == [("a", "dirA"), ("dirB", "dirB")]
+    assert all(s.engine_args.max_num_seqs == 8 for s in config.models)
+    assert config.limits.max_waiting_requests == 3 and config.session_ttl_s == 60 and config.api_key == "k"
+
+    with pytest.raises(ValueError, match="served-model-name"):
+        server_config_from(_parse("dirA", "--served-model-name", "a", "--served-model-name", "b"))
+    with pytest.raises(ValueError, match="unique"):
+        ModelRegistry(server_config_from(_parse("d", "--model", "d")).models)
+
+
+# ---- start-up ---------------------------------------------------------------------------------------------------
+def test_health_is_503_while_loading():
+    from novainfer.entrypoints.openai.served_models import ModelSpec
+
+    app = build_app(registry=ModelRegistry([ModelSpec("m", EngineArgs())]))  # never loaded
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            health = await client.get("/health")
+            assert health.status_code == 503 and "loading" in health.json()["error"]["message"]
+            busy = await client.post("/v1/completions", json={"prompt": "x"})
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "not_ready"
+            assert (await client.get("/v1/models")).json()["data"][0]["id"] == "m"
+
+    asyncio.run(main())
+
+
+def test_serve_exits_nonzero_when_a_model_cannot_load(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.test_server_support import REPO_ROOT, free_port
+
+    proc = subprocess.run([sys.executable, "-m", "novainfer.entrypoints.cli.main", "serve", str(tmp_path / "missing"),
+                           "--port", str(free_port())], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "config.json" in proc.stderr and "Traceback" not in proc.stderr.split("loading the models failed")[0]
