@@ -1,73 +1,91 @@
 """Pure-PyTorch paged attention: the CPU path and the oracle for faster backends.
 
 It gathers each sequence's context from the paged cache into a padded [B, max_seq_len] view and
-runs masked attention in float32. Simple and exact; memory grows with B * max_q * max_seq_len.
+runs masked attention in float32. Decoding sequences (one query each) and sequences computing a
+prompt chunk are padded separately: padding every decode to the longest prompt chunk of the step
+would multiply the work of a mixed step by that chunk's length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from novainfer.attention.backends.abstract import AttentionBackend, AttentionMetadata
 
 
 @dataclass
-class _TorchRefStepData:
-    token_to_padded: torch.Tensor  # [T] index of each flattened token in the [B * max_q] padded layout
+class _PaddedGroup:
+    """Sequences attended together in one padded [B, max_q, max_ctx] problem."""
+
+    token_index: torch.Tensor  # [n] flattened token rows of this group, in order
+    token_to_padded: torch.Tensor  # [n] position of each of those rows in the [B * max_q] layout
     key_slots: torch.Tensor  # [B, max_ctx] cache slot of every context position (clamped where invalid)
     mask: torch.Tensor  # [B, 1, 1, max_q, max_ctx] True where query i may attend key j
+    num_seqs: int
+    max_q: int
+
+
+def _build_group(metadata: AttentionMetadata, seqs: np.ndarray) -> _PaddedGroup:
+    device = metadata.query_start_loc.device
+    query_lens_np = metadata.query_lens_cpu[seqs]
+    seq_lens_np = metadata.seq_lens_cpu[seqs]
+    num_seqs, max_q, max_ctx = len(seqs), int(query_lens_np.max()), int(seq_lens_np.max())
+    starts_np = np.concatenate(([0], np.cumsum(metadata.query_lens_cpu)[:-1]))[seqs]
+    token_index_np = np.concatenate([np.arange(s, s + q) for s, q in zip(starts_np, query_lens_np)])
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens_np)
+    index_in_seq = np.arange(len(token_index_np)) - np.repeat(np.cumsum(query_lens_np) - query_lens_np, query_lens_np)
+    token_to_padded_np = seq_of_token * max_q + index_in_seq
+
+    query_lens = torch.from_numpy(query_lens_np).to(device)
+    seq_lens = torch.from_numpy(seq_lens_np).to(device)
+    positions = torch.arange(max_ctx, device=device)
+    block_idx = (positions // metadata.block_size).clamp(max=metadata.block_tables.shape[1] - 1)
+    seq_ids = torch.from_numpy(seqs).to(device)
+    blocks = metadata.block_tables.to(torch.int64)[seq_ids][:, block_idx].clamp(min=0)
+    key_slots = blocks * metadata.block_size + positions % metadata.block_size
+
+    q_idx = torch.arange(max_q, device=device)
+    context_lens = seq_lens - query_lens  # tokens before this step's first query
+    causal = positions[None, None, :] <= (context_lens[:, None, None] + q_idx[None, :, None])
+    in_seq = positions[None, None, :] < seq_lens[:, None, None]
+    # Padded query rows (i >= query_len) still see key 0, so softmax never divides by zero.
+    mask = (causal & in_seq) | (positions[None, None, :] == 0)
+    return _PaddedGroup(torch.from_numpy(token_index_np).to(device), torch.from_numpy(token_to_padded_np).to(device),
+                        key_slots, mask[:, None, None], num_seqs, max_q)
 
 
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        device = metadata.query_start_loc.device
-        num_seqs = metadata.num_seqs
-        max_q, max_ctx = metadata.max_query_len, metadata.max_seq_len
-        query_lens = torch.from_numpy(metadata.query_lens_cpu).to(device=device, dtype=torch.int64)
-        seq_lens = metadata.seq_lens.to(torch.int64)
-        starts = metadata.query_start_loc[:-1].to(torch.int64)
-
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens)
-        index_in_seq = torch.arange(metadata.num_tokens, device=device) - starts[seq_of_token]
-        token_to_padded = seq_of_token * max_q + index_in_seq
-
-        positions = torch.arange(max_ctx, device=device)
-        block_idx = (positions // metadata.block_size).clamp(max=metadata.block_tables.shape[1] - 1)
-        blocks = metadata.block_tables.to(torch.int64)[:, block_idx].clamp(min=0)
-        key_slots = blocks * metadata.block_size + positions % metadata.block_size
-
-        q_idx = torch.arange(max_q, device=device)
-        context_lens = seq_lens - query_lens  # tokens before this step's first query
-        causal = positions[None, None, :] <= (context_lens[:, None, None] + q_idx[None, :, None])
-        in_seq = positions[None, None, :] < seq_lens[:, None, None]
-        # Padded query rows (i >= query_len) still see key 0, so softmax never divides by zero.
-        mask = (causal & in_seq) | (positions[None, None, :] == 0)
-        metadata.backend_data = _TorchRefStepData(token_to_padded, key_slots, mask[:, None, None])
+        is_decode = metadata.query_lens_cpu == 1
+        groups = [np.flatnonzero(is_decode), np.flatnonzero(~is_decode)]
+        metadata.backend_data = [_build_group(metadata, seqs) for seqs in groups if len(seqs)]
 
     def forward(self, query, key, value, k_cache, v_cache, metadata, scale):
-        data: _TorchRefStepData = metadata.backend_data
         num_kv_heads, head_size = key.shape[1], key.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head_size)
         flat_v = v_cache.view(-1, num_kv_heads, head_size)
         flat_k.index_copy_(0, metadata.slot_mapping, key.to(k_cache.dtype))
         flat_v.index_copy_(0, metadata.slot_mapping, value.to(v_cache.dtype))
 
-        num_seqs, max_q = metadata.num_seqs, metadata.max_query_len
         num_heads = query.shape[1]
-        group = num_heads // num_kv_heads
-        keys = flat_k[data.key_slots].float()  # [B, max_ctx, Hkv, D]
-        values = flat_v[data.key_slots].float()
-        padded_q = query.new_zeros(num_seqs * max_q, num_heads, head_size, dtype=torch.float32)
-        padded_q[data.token_to_padded] = query.float()
-        # Query head h*group + g reads kv head h (grouped-query attention).
-        padded_q = padded_q.view(num_seqs, max_q, num_kv_heads, group, head_size)
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", padded_q, keys) * scale
-        scores.masked_fill_(~data.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bhgqk,bkhd->bqhgd", probs, values)
-        out = out.reshape(num_seqs * max_q, num_heads, head_size)[data.token_to_padded]
-        return out.to(query.dtype)
+        group_size = num_heads // num_kv_heads
+        out = torch.empty_like(query)
+        for group in metadata.backend_data:
+            keys = flat_k[group.key_slots].float()  # [B, max_ctx, Hkv, D]
+            values = flat_v[group.key_slots].float()
+            padded_q = query.new_zeros(group.num_seqs * group.max_q, num_heads, head_size, dtype=torch.float32)
+            padded_q[group.token_to_padded] = query[group.token_index].float()
+            # Query head h*group_size + g reads kv head h (grouped-query attention).
+            padded_q = padded_q.view(group.num_seqs, group.max_q, num_kv_heads, group_size, head_size)
+            scores = torch.einsum("bqhgd,bkhd->bhgqk", padded_q, keys) * scale
+            scores.masked_fill_(~group.mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            result = torch.einsum("bhgqk,bkhd->bqhgd", probs, values)
+            result = result.reshape(group.num_seqs * group.max_q, num_heads, head_size)[group.token_to_padded]
+            out[group.token_index] = result.to(query.dtype)
+        return out
