@@ -9,37 +9,18 @@ After every run the engine must hold nothing: no KV blocks, no requests.
 from __future__ import annotations
 
 import functools
-import json
 import random
 
 import pytest
 
 from novainfer import LLM, SamplingParams
 from novainfer.engine.request import RequestStatus
-from tests.utils import hf_greedy, tiny_model
+from tests.utils import SMALL_KV, hf_greedy, model_dir, random_ids, vocab_size  # noqa: F401 (fixtures)
 
 MAX_TOKENS = 16
 # Prompt lengths of the batch: a one-token prompt, short ones, and ones spanning many blocks.
 LENGTHS = (1, 5, 9, 14, 23, 31, 42)
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
-# A small explicit KV budget: on CPU the default budget is 1 GiB, needless for a tiny model.
-SMALL_KV = 1 << 22
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def vocab_size(model_dir):
-    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
-
-
-def random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
-    # Ids 0-2 are the tiny tokenizer's special tokens. Id 0 is also the pad id that hf_greedy
-    # hands transformers, which then masks every prompt position holding it: avoid them.
-    return [rng.randrange(3, vocab_size) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +215,7 @@ def test_closing_a_stream_early_aborts_its_requests(model_dir, prompts, referenc
 
 
 def test_n_siblings_with_prefix_caching(model_dir, vocab_size):
-    prompt = random_ids(random.Random(5), 12, vocab_size)  # 3 full blocks of 4
+    prompt = random_ids(5, 12, vocab_size)  # 3 full blocks of 4
     params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
     llm = LLM(str(model_dir), block_size=4, enable_prefix_caching=True, num_gpu_blocks_override=64)
     [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)

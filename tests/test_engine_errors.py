@@ -6,28 +6,15 @@ requests too large for the KV cache.
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 
 from novainfer import LLM, SamplingParams
 from novainfer.config import ParallelConfig, normalize_parallel_config
 from novainfer.engine.request import InvalidStatusTransition, Request, RequestStatus
-from tests.utils import hf_greedy, tiny_model
+from tests.utils import hf_greedy, model_dir, random_ids, vocab_size  # noqa: F401 (fixtures)
 
 MAX_MODEL_LEN = 48
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def vocab_size(model_dir):
-    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +24,7 @@ def llm(model_dir):
 
 @pytest.fixture(scope="module")
 def good_prompt(vocab_size):
-    rng = random.Random(7)
-    # Ids 0-2 are special tokens (0 is hf_greedy's pad id, which transformers would mask).
-    return [rng.randrange(3, vocab_size) for _ in range(11)]
+    return random_ids(7, 11, vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +232,7 @@ def test_parallel_config_device_ids():
 
 def test_request_too_large_for_the_whole_kv_cache(model_dir, vocab_size):
     small = LLM(str(model_dir), block_size=4, num_gpu_blocks_override=4)  # 16 tokens in all
-    rng = random.Random(3)
-    prompt = [rng.randrange(3, vocab_size) for _ in range(20)]
+    prompt = random_ids(3, 20, vocab_size)
     with pytest.raises(ValueError) as info:
         small.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     assert "16" in str(info.value) and "20" in str(info.value) and "KV cache" in str(info.value)

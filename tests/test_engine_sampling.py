@@ -7,26 +7,12 @@ results are checked against the same request run alone.
 from __future__ import annotations
 
 import functools
-import json
-import random
 
 import pytest
 import torch
 
 from novainfer import LLM, SamplingParams
-from tests.utils import hf_greedy, hf_logits, tiny_model
-
-SMALL_KV = 1 << 22
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def vocab_size(model_dir):
-    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+from tests.utils import SMALL_KV, hf_greedy, hf_logits, model_dir, random_ids, vocab_size  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +27,6 @@ def reference(model_dir):
         return hf_greedy(model_dir, list(prompt), n)
 
     return lambda prompt, n: ref(tuple(prompt), n)
-
-
-def random_prompt(seed: int, n: int, vocab_size: int) -> list[int]:
-    # Ids 0-2 are the tiny tokenizer's special tokens. Id 0 is also the pad id that hf_greedy
-    # hands transformers, which then masks every prompt position holding it: avoid them.
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab_size) for _ in range(n)]
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -75,18 +54,18 @@ SEEDED = {
 @pytest.mark.parametrize("name", list(SEEDED))
 def test_seeded_sampling_does_not_depend_on_the_batch(model_dir, llm, vocab_size, name):
     params = SEEDED[name]
-    target = {"prompt_token_ids": random_prompt(10, 10, vocab_size)}
+    target = {"prompt_token_ids": random_ids(10, 10, vocab_size)}
     alone = llm.generate(target, params, use_tqdm=False)
     assert len(alone[0].outputs[0].token_ids) == 16
     assert llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
     others = [
-        ({"prompt_token_ids": random_prompt(11, 3, vocab_size)}, SamplingParams(temperature=1.0, max_tokens=20)),
-        ({"prompt_token_ids": random_prompt(12, 25, vocab_size)},
+        ({"prompt_token_ids": random_ids(11, 3, vocab_size)}, SamplingParams(temperature=1.0, max_tokens=20)),
+        ({"prompt_token_ids": random_ids(12, 25, vocab_size)},
          SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
-        ({"prompt_token_ids": random_prompt(13, 17, vocab_size)},
+        ({"prompt_token_ids": random_ids(13, 17, vocab_size)},
          SamplingParams(temperature=0.9, seed=1234, max_tokens=12, ignore_eos=True)),  # same seed, other prompt
-        ({"prompt_token_ids": random_prompt(14, 6, vocab_size)},
+        ({"prompt_token_ids": random_ids(14, 6, vocab_size)},
          SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)),
     ]
     prompts = [p for p, _ in others[:2]] + [target] + [p for p, _ in others[2:]]
@@ -107,7 +86,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model_dir, llm, vocab_size
 
 
 def test_unseeded_requests_differ_but_seeded_ones_repeat(llm, vocab_size):
-    prompt = {"prompt_token_ids": random_prompt(20, 8, vocab_size)}
+    prompt = {"prompt_token_ids": random_ids(20, 8, vocab_size)}
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     runs = token_ids(llm.generate([prompt] * 3, params, use_tqdm=False))
     assert len({tuple(r[0]) for r in runs}) > 1, "unseeded random sampling repeated itself three times"
@@ -120,7 +99,7 @@ def test_unseeded_requests_differ_but_seeded_ones_repeat(llm, vocab_size):
 
 
 def test_truncation_to_one_token_equals_greedy(llm, vocab_size, reference):
-    prompts = [random_prompt(30 + i, n, vocab_size) for i, n in enumerate((4, 13, 21, 7))]
+    prompts = [random_ids(30 + i, n, vocab_size) for i, n in enumerate((4, 13, 21, 7))]
     params = [
         SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=12, ignore_eos=True),
@@ -172,7 +151,7 @@ def check_logprobs(model_dir, prompt, completion, num_logprobs, greedy):
 
 
 def test_logprobs_match_transformers(model_dir, llm, vocab_size, reference):
-    prompts = [random_prompt(40 + i, n, vocab_size) for i, n in enumerate((9, 3, 17))]
+    prompts = [random_ids(40 + i, n, vocab_size) for i, n in enumerate((9, 3, 17))]
     params = [
         SamplingParams(logprobs=3, temperature=0.0, max_tokens=10, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),  # asks for none
@@ -192,7 +171,7 @@ def test_logprobs_match_transformers(model_dir, llm, vocab_size, reference):
 
 
 def test_logprobs_with_chunked_prefill_and_many_alternatives(model_dir, vocab_size):
-    prompt = random_prompt(50, 19, vocab_size)
+    prompt = random_ids(50, 19, vocab_size)
     small = LLM(str(model_dir), block_size=4, max_num_batched_tokens=5, num_gpu_blocks_override=32)
     [out] = small.generate({"prompt_token_ids": prompt},
                            SamplingParams(logprobs=20, temperature=0.0, max_tokens=6, ignore_eos=True),

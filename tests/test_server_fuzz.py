@@ -14,18 +14,13 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, settings  # noqa: E402 - installed with schemathesis
 
-from tests.test_server_support import ServerProcess  # noqa: E402
+from tests.test_server_support import serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess(["--max-model-len", "32", "--max-waiting-requests", "8", "--kv-cache-memory-bytes",
-                          str(16 << 20), "--disable-log-requests"])
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from serve(["--max-model-len", "32", "--max-waiting-requests", "8", "--kv-cache-memory-bytes",
+                      str(16 << 20), "--disable-log-requests"])
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from novainfer import LLM, SamplingParams
-from tests.test_server_support import ServerProcess, metric_value, sse_payloads
-from tests.utils import tiny_model
+from tests.test_server_support import metric_value, serve, sse_payloads
+from tests.utils import model_dir  # noqa: F401 (fixture)
 
 API_KEY = "test-key-123"
 MODEL = "tiny"
@@ -25,20 +25,10 @@ KV_BYTES = str(16 << 20)
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
-    proc = ServerProcess([str(model_dir), "--model", str(model_dir), "--served-model-name", MODEL,
-                          "--served-model-name", MODEL_B, "--api-key", API_KEY, "--kv-cache-memory-bytes", KV_BYTES,
-                          "--max-sessions", "4", "--session-ttl", "600"])
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from serve([str(model_dir), "--model", str(model_dir), "--served-model-name", MODEL,
+                      "--served-model-name", MODEL_B, "--api-key", API_KEY, "--kv-cache-memory-bytes", KV_BYTES,
+                      "--max-sessions", "4", "--session-ttl", "600"])
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from novainfer.tiny_model import write_random_qwen2
-from tests.test_server_support import ServerProcess, metric_value
+from tests.test_server_support import metric_value, serve
 from tests.utils import tiny_model
 
 BIG_CONFIG = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -25,15 +25,10 @@ BIG_CONFIG = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, n
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     big_dir = write_random_qwen2(tmp_path_factory.mktemp("big-qwen2"), **BIG_CONFIG)
-    proc = ServerProcess([str(tiny_model()), "--model", str(big_dir), "--served-model-name", "tiny",
-                          "--served-model-name", "big", "--max-num-seqs", "2", "--max-waiting-requests", "2",
-                          "--max-concurrent-requests-per-client", "3", "--retry-after", "2",
-                          "--kv-cache-memory-bytes", str(32 << 20)])
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from serve([str(tiny_model()), "--model", str(big_dir), "--served-model-name", "tiny",
+                      "--served-model-name", "big", "--max-num-seqs", "2", "--max-waiting-requests", "2",
+                      "--max-concurrent-requests-per-client", "3", "--retry-after", "2",
+                      "--kv-cache-memory-bytes", str(32 << 20)])
 
 
 @pytest.fixture(scope="module")

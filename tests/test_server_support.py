@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -83,6 +84,12 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve(args: list[str]) -> Iterator[ServerProcess]:
+    """A module's ``server`` fixture is ``yield from serve(ARGS)``: the server runs until the module ends."""
+    with ServerProcess(args) as proc:
+        yield proc
 
 
 def metric_value(metrics_text: str, name: str, **labels: str) -> float | None:

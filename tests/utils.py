@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+import random
 from pathlib import Path
 
+import pytest
 import torch
 from transformers.utils import logging as transformers_logging
 
@@ -13,9 +16,34 @@ from novainfer.tiny_model import get_tiny_model_dir
 from tests._tokenizers import QWEN2_TOKENIZER_DIR
 
 
+# A small explicit KV budget: on CPU the default budget is 1 GiB, needless for a tiny model.
+SMALL_KV = 1 << 22
+
+
 def tiny_model(**overrides) -> Path:
     """A cached tiny random Qwen2 variant (written once per machine, shared by test workers)."""
     return get_tiny_model_dir(**overrides)
+
+
+# Fixtures ``model_dir`` (the default tiny model) and ``vocab_size`` (its vocabulary size): a test
+# module uses them by importing them.
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def vocab_size(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+def random_ids(rng: random.Random | int, n: int, vocab_size: int) -> list[int]:
+    """``n`` random token ids, none of them special, drawn from ``rng`` (or a ``Random`` of that seed)."""
+    if not isinstance(rng, random.Random):
+        rng = random.Random(rng)
+    # Ids 0-2 are the tiny tokenizer's special tokens. Id 0 is also the pad id that hf_greedy
+    # hands transformers, which then masks every prompt position holding it: avoid them.
+    return [rng.randrange(3, vocab_size) for _ in range(n)]
 
 
 def qwen2_tokenizer_model(**overrides) -> Path:

@@ -77,19 +77,18 @@ class ServerMetrics:
     def __init__(self, get_stats: Callable[[], dict[str, EngineStats]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(get_stats))
-        labels = ["model_name"]
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first generated token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between consecutive generated tokens.", labels,
-            buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the end of the request.", labels,
-            buckets=_REQUEST_BUCKETS, registry=self.registry)
-        self.request_queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds", "Time from arrival to first being scheduled.", labels,
-            buckets=_REQUEST_BUCKETS, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Time from arrival to the first generated token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between consecutive generated tokens.", _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "Time from arrival to the end of the request.", _REQUEST_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds",
+                                            "Time from arrival to first being scheduled.", _REQUEST_BUCKETS)
         self.requests_rejected = Counter(
             PREFIX + "requests_rejected", "Requests refused by admission control (429), by reason.",
             ["model_name", "reason"], registry=self.registry)

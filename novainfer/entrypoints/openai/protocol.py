@@ -199,13 +199,20 @@ def _now() -> int:
     return int(time.time())
 
 
-class ChatCompletionResponse(BaseModel):
+class _GenerationResponse(BaseModel):
+    """The fields of both generation responses; each narrows ``object`` and ``choices`` (in place)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[ChatCompletionChoice]
+    choices: list[Any]
     usage: UsageInfo
+
+
+class ChatCompletionResponse(_GenerationResponse):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatCompletionChoice]
     session_id: str | None = None
 
 
@@ -224,13 +231,9 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_GenerationResponse):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo
 
 
 class ModelCard(BaseModel):

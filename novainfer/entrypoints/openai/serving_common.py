@@ -1,22 +1,30 @@
-"""What chat and completion requests share: sampling params, length checks, admission, submission."""
+"""What chat and completion requests share: sampling params, length checks, admission, submission,
+and :class:`GenerationHandler`, which drives a request to its JSON response or its SSE stream."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from novainfer.engine.async_llm_engine import EngineDeadError, RequestStream
 from novainfer.entrypoints.openai.admission import AdmissionController, Ticket
-from novainfer.entrypoints.openai.errors import OpenAIError, param_from_message, request_id_of
+from novainfer.entrypoints.openai.errors import OpenAIError, error_body, param_from_message, request_id_of
 from novainfer.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from novainfer.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from novainfer.entrypoints.openai.served_models import ModelRegistry, ServedModel
 from novainfer.entrypoints.openai.sessions import SessionStore
+from novainfer.entrypoints.openai.streaming import SSE_DONE, ClientDisconnected, SSEResponse, merge_streams, \
+    sse_event, unless_disconnected
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
 
@@ -179,3 +187,142 @@ def engine_failure(exc: BaseException) -> OpenAIError:
 
 def now() -> float:
     return time.time()
+
+
+class GenerationHandler(ABC):
+    """One generation request (chat or completion), from validation to the last byte.
+
+    The mechanism is shared; subclasses say what differs: ``_prepare`` (the prompts and sampling
+    parameters), ``_response_body`` (the non-streaming response), ``_stream_choices`` (the choices
+    of the SSE chunks) and ``_on_complete`` (anything to do once generation ended well).
+    """
+
+    endpoint: ClassVar[str]  # the endpoint as the tracker records it
+    kind: ClassVar[str]  # what log lines call the request
+    id_prefix: ClassVar[str]  # of the response id
+    chunk_object: ClassVar[str]  # the "object" of a streamed chunk
+    log: ClassVar[logging.Logger]
+
+    def __init__(self, ctx: ServerContext, body: SamplingFields, request: Request) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.request = request
+        self.arrival_time = now()
+        self.response_id = new_id(self.id_prefix)
+        self.scope = RequestScope()
+
+    async def handle(self) -> Response:
+        body = self.body
+        unsupported = body.unsupported()
+        if unsupported is not None:
+            raise OpenAIError(unsupported[1], param=unsupported[0], code="unsupported")
+        model = self.ctx.models.get(body.model)
+        try:
+            prompts, params = await self._prepare(model)
+            submission = await submit(self.ctx, self.request, model, self.response_id, self.endpoint, prompts,
+                                      params, body.user, self.arrival_time, self.scope)
+        except BaseException:
+            self.scope.close()
+            raise
+        if body.stream:
+            return SSEResponse(self._stream(submission), on_close=self.scope.close)
+        return await self._complete(submission)
+
+    @abstractmethod
+    async def _prepare(self, model: ServedModel) -> tuple[list[list[int]], SamplingParams]:
+        """The request's prompts as token ids, and its sampling parameters; errors are 400s."""
+
+    def _on_complete(self, model: str, finals: list[RequestOutput]) -> None:
+        """Called once every prompt's generation has ended, before the response (or [DONE]) is sent."""
+
+    async def _outputs(self, submission: Submission,
+                       finals: list[RequestOutput | None]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as outputs arrive; each is tracked and kept as its prompt's latest in ``finals``."""
+        async for index, output in merge_streams(submission.streams):
+            submission.tracker.on_output(output)
+            finals[index] = output
+            yield index, output
+
+    # ---- non-streaming --------------------------------------------------------------------------
+    async def _collect(self, submission: Submission) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(submission.streams)
+        async for _ in self._outputs(submission, finals):
+            pass
+        assert all(f is not None and f.finished for f in finals)
+        return finals  # type: ignore[return-value]
+
+    async def _complete(self, submission: Submission) -> Response:
+        tracker = submission.tracker
+        try:
+            finals = await unless_disconnected(self.request, self._collect(submission))
+            return self._response(submission, finals)
+        except ClientDisconnected:
+            tracker.finish("client_disconnected")
+            return Response(status_code=499)
+        except OpenAIError as err:
+            tracker.finish("error", err.status, err.message)
+            raise
+        except Exception as exc:
+            err = engine_failure(exc)
+            self.log.error("%s request %s failed: %r", self.kind, tracker.request_id, exc)
+            tracker.finish("error", err.status, repr(exc))
+            raise err from None
+        finally:
+            self.scope.close()
+
+    def _response(self, submission: Submission, finals: list[RequestOutput]) -> Response:
+        model = submission.model
+        usage = usage_of(finals)
+        response = self._response_body(model, finals, usage)
+        self._on_complete(model.name, finals)
+        submission.tracker.set_usage(usage.prompt_tokens, usage.completion_tokens,
+                                     usage.prompt_tokens_details.cached_tokens)
+        submission.tracker.finish("ok", 200)
+        return JSONResponse(response.model_dump())
+
+    @abstractmethod
+    def _response_body(self, model: ServedModel, finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
+        """The non-streaming response, from every prompt's final output."""
+
+    # ---- streaming ------------------------------------------------------------------------------
+    def _chunk(self, model: str, created: int, choices: list[dict[str, Any]],
+               usage: dict[str, Any] | None = None) -> str:
+        payload: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object, "created": created,
+                                   "model": model, "choices": choices}
+        if usage is not None:
+            payload["usage"] = usage
+        return sse_event(payload)
+
+    @abstractmethod
+    def _stream_choices(self, submission: Submission,
+                        finals: list[RequestOutput | None]) -> AsyncIterator[dict[str, Any]]:
+        """The choice of each SSE chunk, in order, read from ``self._outputs(submission, finals)``."""
+
+    async def _stream(self, submission: Submission) -> AsyncIterator[str]:
+        model = submission.model
+        tracker = submission.tracker
+        created = int(self.arrival_time)
+        status, http_status, error = "ok", 200, None
+        try:
+            finals: list[RequestOutput | None] = [None] * len(submission.streams)
+            async for choice in self._stream_choices(submission, finals):
+                yield self._chunk(model.name, created, [choice])
+            done = [f for f in finals if f is not None]
+            usage = usage_of(done)
+            tracker.set_usage(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
+            if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                yield self._chunk(model.name, created, [], usage=usage.model_dump())
+            self._on_complete(model.name, done)
+            yield SSE_DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            status, http_status = "client_disconnected", None
+            raise
+        except Exception as exc:
+            err = exc if isinstance(exc, OpenAIError) else engine_failure(exc)
+            status, http_status, error = "error", err.status, repr(exc)
+            self.log.error("%s stream %s failed: %r", self.kind, tracker.request_id, exc)
+            yield sse_event(error_body(err, request_id_of(self.request)))
+            yield SSE_DONE
+        finally:
+            tracker.finish(status, http_status, error)
+            self.scope.close()
