@@ -21,9 +21,7 @@ import asyncio
 import json
 import random
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from novainfer.entrypoints.openai.server_process import ServerProcess
 from benchmarks.common import REPO_ROOT, command_line, git_commit, load_average, machine_info, model_summary, \
     resolve_model, scrub_path, write_results
 
@@ -238,49 +237,11 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 
 # ---- the server under test -------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class StartedServer:
-    """``novainfer serve`` in a subprocess on a free loopback port, stopped on exit."""
-
-    def __init__(self, model_dir: str, server_args: list[str], api_key: str | None) -> None:
-        self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.public_argv = ["serve", scrub_path(model_dir), *server_args, "--disable-log-requests"]
-        self.argv = ["serve", model_dir, *server_args, "--disable-log-requests", "--port", str(self.port)]
-        if api_key:
-            self.argv += ["--api-key", api_key]
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> StartedServer:
-        import httpx
-
-        self.proc = subprocess.Popen([sys.executable, "-m", "novainfer.entrypoints.cli.main", *self.argv],
-                                     cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited with {self.proc.returncode}:\n{self.proc.stderr.read()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.__exit__()
-        raise SystemExit("the server did not become healthy within 600 s")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def start_server(model_dir: str, server_args: list[str], api_key: str | None) -> tuple[ServerProcess, list[str]]:
+    """The server and its command line as recorded in the results (paths scrubbed, no port)."""
+    argv = [model_dir, *server_args, "--disable-log-requests"] + (["--api-key", api_key] if api_key else [])
+    public_argv = ["serve", scrub_path(model_dir), *server_args, "--disable-log-requests"]
+    return ServerProcess(argv, startup_timeout=600, cwd=REPO_ROOT), public_argv
 
 
 def first_model(base_url: str, api_key: str | None) -> str:
@@ -304,10 +265,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         model_dir, tag = resolve_model(args.model, args.tiny_config)
         model_info = model_summary(model_dir, json.loads(args.tiny_config) if args.tiny_config else None)
-        with StartedServer(model_dir, shlex.split(args.server_args), args.api_key) as server:
+        server_process, public_argv = start_server(model_dir, shlex.split(args.server_args), args.api_key)
+        with server_process as server:
             model = args.model_name or first_model(server.base_url, args.api_key)
             results, duration = asyncio.run(run_load(args, server.base_url, model, prompts))
-        server_command = shlex.join(["novainfer", *server.public_argv])
+        server_command = shlex.join(["novainfer", *public_argv])
     device = "cuda" if "cuda" in args.server_args else "cpu"
     summary = summarize(results, duration)
     report = {

@@ -1,7 +1,11 @@
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests.utils import tiny_model
 
 # Tests build models with a fixed seed and compare against transformers; keep CPU threads modest
 # so that parallel workers on a small machine do not oversubscribe it.
@@ -15,3 +19,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    """The built-in tiny model's directory."""
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def vocab_size(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -15,7 +15,7 @@ import pytest
 
 from novainfer import LLM, SamplingParams
 from novainfer.engine.request import RequestStatus
-from tests.utils import SMALL_KV, hf_greedy, model_dir, random_ids, vocab_size  # noqa: F401 (fixtures)
+from tests.utils import SMALL_KV, hf_greedy, random_ids
 
 MAX_TOKENS = 16
 # Prompt lengths of the batch: a one-token prompt, short ones, and ones spanning many blocks.

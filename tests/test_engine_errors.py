@@ -11,7 +11,7 @@ import pytest
 from novainfer import LLM, SamplingParams
 from novainfer.config import ParallelConfig, normalize_parallel_config
 from novainfer.engine.request import InvalidStatusTransition, Request, RequestStatus
-from tests.utils import hf_greedy, model_dir, random_ids, vocab_size  # noqa: F401 (fixtures)
+from tests.utils import hf_greedy, random_ids
 
 MAX_MODEL_LEN = 48
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
@@ -284,10 +284,10 @@ def test_legal_status_lifecycle():
                    RequestStatus.FINISHED_STOPPED):
         request.set_status(status)
     assert request.is_finished() and request.get_finished_reason() == "stop"
-    assert request.times.finished is not None and request.times.first_scheduled is not None
+    assert request.metrics.finished_time is not None and request.metrics.first_scheduled_time is not None
     waiting = make_request()
     waiting.set_status(RequestStatus.FINISHED_ABORTED)  # aborted before it ever ran
-    assert waiting.get_finished_reason() == "abort" and waiting.times.first_scheduled is None
+    assert waiting.get_finished_reason() == "abort" and waiting.metrics.first_scheduled_time is None
 
 
 def test_timestamps_are_set_and_ordered(llm, good_prompt):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from novainfer import LLM, SamplingParams
-from tests.utils import SMALL_KV, hf_greedy, hf_logits, model_dir, random_ids, vocab_size  # noqa: F401 (fixtures)
+from tests.utils import SMALL_KV, hf_greedy, hf_logits, random_ids
 
 
 @pytest.fixture(scope="module")

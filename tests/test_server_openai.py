@@ -16,7 +16,6 @@ import pytest
 
 from novainfer import LLM, SamplingParams
 from tests.test_server_support import metric_value, serve, sse_payloads
-from tests.utils import model_dir  # noqa: F401 (fixture)
 
 API_KEY = "test-key-123"
 MODEL = "tiny"

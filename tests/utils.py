@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import random
 from pathlib import Path
 
-import pytest
 import torch
 from transformers.utils import logging as transformers_logging
 
@@ -27,16 +25,6 @@ def tiny_model(**overrides) -> Path:
 
 # Fixtures ``model_dir`` (the default tiny model) and ``vocab_size`` (its vocabulary size): a test
 # module uses them by importing them.
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def vocab_size(model_dir: Path) -> int:
-    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
-
-
 def random_ids(rng: random.Random | int, n: int, vocab_size: int) -> list[int]:
     """``n`` random token ids, none of them special, drawn from ``rng`` (or a ``Random`` of that seed)."""
     if not isinstance(rng, random.Random):

@@ -6,11 +6,12 @@ into one :class:`RequestOutput` under the parent's id.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from novainfer.engine.output_text import OutputTextState
 from novainfer.engine.request import Request, RequestStatus
-from novainfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from novainfer.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass
@@ -105,9 +106,7 @@ class OutputProcessor:
                 stop_reason=request.stop_reason if done else None,
                 delta_text=delta_text, delta_token_ids=new_ids))
         first = parent.children[0].request
-        times = first.times
-        metrics = RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.last_token,
-                                 times.finished)
+        metrics = dataclasses.replace(first.metrics)  # a snapshot: the request keeps updating its own
         if finished:
             del self.parents[parent_id]
             for child in parent.children:

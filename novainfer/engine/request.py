@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 
+from novainfer.outputs import RequestMetrics
 from novainfer.sampling_params import SamplingParams
 
 
@@ -51,15 +51,6 @@ class InvalidStatusTransition(RuntimeError):
     pass
 
 
-@dataclass
-class RequestTimes:
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-
-
 class Request:
     """Prompt, sampling parameters, generated tokens, progress and timings of one sequence."""
 
@@ -77,7 +68,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.time())
+        self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -104,15 +95,15 @@ class Request:
                 f"request {self.request_id}: illegal status transition {self.status.name} -> {new_status.name}")
         self.status = new_status
         now = time.time()
-        if new_status == RequestStatus.RUNNING and self.times.first_scheduled is None:
-            self.times.first_scheduled = now
+        if new_status == RequestStatus.RUNNING and self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = now
         elif RequestStatus.is_finished(new_status):
-            self.times.finished = now
+            self.metrics.finished_time = now
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         now = time.time()
-        if self.times.first_token is None:
-            self.times.first_token = now
-        self.times.last_token = now
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now

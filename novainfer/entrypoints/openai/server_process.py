@@ -1,0 +1,80 @@
+"""Running ``novainfer serve`` in a subprocess on a free loopback port (for tests and benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m novainfer.entrypoints.cli.main serve ARGS --port <free>`` as a context manager.
+
+    ``start`` waits until ``/health`` answers 200 (or the process dies, or the timeout passes);
+    ``stop`` always ends the process (SIGINT, then SIGKILL) and keeps its log for failures.
+    """
+
+    def __init__(self, args: list[str], startup_timeout: float = 120.0,
+                 cwd: Path | None = None) -> None:
+        self.args = list(args)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout = startup_timeout
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix="novainfer-serve-", suffix=".log", delete=False)
+
+    def start(self) -> ServerProcess:
+        env = dict(os.environ)
+        env.pop("NOVAINFER_API_KEY", None)  # only an explicit --api-key turns auth on in tests
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [sys.executable, "-m", "novainfer.entrypoints.cli.main", "serve", *self.args,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, cwd=self.cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {self.startup_timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
