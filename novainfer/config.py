@@ -35,6 +35,8 @@ class ModelConfig:
     dtype: str | torch.dtype = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    # Never capture CUDA graphs: every step runs eagerly (for debugging and comparison).
+    enforce_eager: bool = False
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 

@@ -14,6 +14,13 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request produces while it runs (vLLM's names)."""
+
+    CUMULATIVE = 0  # after every step, the whole output so far (plus the step's delta fields)
+    FINAL_ONLY = 2  # only when it finishes: nothing is built for it on the steps before
+
+
 class SamplingType(enum.IntEnum):
     """How the next token of a request is chosen."""
 
@@ -74,6 +81,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: outputs carry token ids only (no text), which saves the per-token detokenization.
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     # stop_token_ids plus the model's EOS ids (see update_from_generation_config).
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -128,6 +138,12 @@ class SamplingParams:
         self.include_stop_str_in_output = _as_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+
+        self.detokenize = _as_bool("detokenize", self.detokenize)
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop strings need detokenize=True (got stop={self.stop!r} with detokenize=False)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
         if self.max_tokens is not None:
             self.max_tokens = _as_int("max_tokens", self.max_tokens)

@@ -312,3 +312,38 @@ def test_chat_applies_the_chat_template(llm, tokenizer):
     second = tokenizer.apply_chat_template(conversations[1], tokenize=False, add_generation_prompt=True)
     assert outs[1].prompt == second
     assert outs[1].prompt_token_ids == tokenizer.encode(second, add_special_tokens=False)
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(llm, free_runs):
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, detokenize=False, logprobs=2)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for output, prompt in zip(outputs, PROMPTS):
+        completion = output.outputs[0]
+        assert completion.token_ids == free_runs[prompt].token_ids
+        assert completion.text == ""
+        assert all(lp.decoded_token is None for entry in completion.logprobs for lp in entry.values())
+
+
+def test_detokenize_false_rejects_stop_strings():
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["。"], detokenize=False)
+
+
+def test_final_only_requests_produce_one_output(llm, free_runs):
+    from novainfer import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("final-only", PROMPTS[0], params)
+    engine.add_request("cumulative", PROMPTS[0], SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
+                                                                ignore_eos=True))
+    seen: dict[str, list] = {"final-only": [], "cumulative": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert len(seen["cumulative"]) == NUM_TOKENS
+    [final] = seen["final-only"]
+    assert final.finished
+    assert final.outputs[0].token_ids == free_runs[PROMPTS[0]].token_ids
+    assert final.outputs[0].text == free_runs[PROMPTS[0]].text

@@ -26,7 +26,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # every step runs eagerly until CUDA graph capture lands
+    enforce_eager: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
     log_stats_interval: float = 5.0
@@ -46,7 +46,7 @@ class EngineArgs:
         model = self.model or str(get_tiny_model_dir())
         device = resolve_device(self.device)
         model_config = ModelConfig(model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, enforce_eager=self.enforce_eager)
         cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                                    num_gpu_blocks_override=self.num_gpu_blocks_override,
                                    kv_cache_memory_bytes=self.kv_cache_memory_bytes,

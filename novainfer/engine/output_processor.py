@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from novainfer.engine.output_text import OutputTextState
 from novainfer.engine.request import Request, RequestStatus
 from novainfer.outputs import CompletionOutput, Logprob, RequestOutput
+from novainfer.sampling_params import RequestOutputKind
 
 
 @dataclass
 class ChildState:
     request: Request
     index: int
-    text: OutputTextState
+    text: OutputTextState | None  # None when the request is not detokenized
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
     num_tokens_reported: int = 0
@@ -30,6 +31,7 @@ class ParentState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
     children: list[ChildState] = field(default_factory=list)
 
     def finished(self) -> bool:
@@ -43,13 +45,16 @@ class OutputProcessor:
         self.child_to_parent: dict[str, ParentState] = {}
 
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
-        parent = ParentState(parent_id, prompt, children[0].prompt_token_ids)
+        parent = ParentState(parent_id, prompt, children[0].prompt_token_ids,
+                             children[0].sampling_params.output_kind)
         for index, request in enumerate(children):
             params = request.sampling_params
-            text = OutputTextState(self.tokenizer, request.prompt_token_ids, stop=params.stop or (),
-                                   include_stop_str_in_output=params.include_stop_str_in_output,
-                                   skip_special_tokens=params.skip_special_tokens,
-                                   spaces_between_special_tokens=params.spaces_between_special_tokens)
+            text = None
+            if params.detokenize:
+                text = OutputTextState(self.tokenizer, request.prompt_token_ids, stop=params.stop or (),
+                                       include_stop_str_in_output=params.include_stop_str_in_output,
+                                       skip_special_tokens=params.skip_special_tokens,
+                                       spaces_between_special_tokens=params.spaces_between_special_tokens)
             wants_logprobs = params.logprobs is not None
             parent.children.append(ChildState(request, index, text, [] if wants_logprobs else None,
                                               0.0 if wants_logprobs else None))
@@ -67,16 +72,17 @@ class OutputProcessor:
         params = request.sampling_params
         # A stop token (EOS or stop_token_ids) ends the text without being rendered, unless asked.
         stopped_by_token = token_stop == RequestStatus.FINISHED_STOPPED
-        if not stopped_by_token or params.include_stop_str_in_output:
+        if child.text is not None and (not stopped_by_token or params.include_stop_str_in_output):
             stop_str = child.text.append_tokens(request.output_token_ids[-1:])
             if stop_str is not None:
                 request.stop_reason = stop_str
                 token_stop = RequestStatus.FINISHED_STOPPED
         if logprobs is not None and child.logprobs is not None:
             ids, values, rank = logprobs
-            entry = {ids[0]: Logprob(values[0], rank, self.tokenizer.decode([ids[0]]))}
+            decode = self.tokenizer.decode if child.text is not None else lambda _: None
+            entry = {ids[0]: Logprob(values[0], rank, decode([ids[0]]))}
             for position, (tid, value) in enumerate(zip(ids[1:], values[1:]), start=1):
-                entry.setdefault(tid, Logprob(value, position, self.tokenizer.decode([tid])))
+                entry.setdefault(tid, Logprob(value, position, decode([tid])))
             child.logprobs.append(entry)
             child.cumulative_logprob += values[0]
         return token_stop
@@ -84,6 +90,11 @@ class OutputProcessor:
     def _child(self, request_id: str) -> ChildState:
         parent = self.child_to_parent[request_id]
         return next(c for c in parent.children if c.request.request_id == request_id)
+
+    def wants_output(self, parent_id: str) -> bool:
+        """Whether the parent produces an output now (a FINAL_ONLY one only once it has finished)."""
+        parent = self.parents[parent_id]
+        return parent.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished()
 
     def make_output(self, parent_id: str) -> RequestOutput:
         """The parent's current output; forgets the parent once every child is finished."""
@@ -96,10 +107,10 @@ class OutputProcessor:
             new_ids = request.output_token_ids[child.num_tokens_reported:]
             child.num_tokens_reported = request.num_output_tokens
             # A child that finished earlier than its siblings has nothing more to stream.
-            delta_text = "" if child.final_reported else child.text.take_delta(finished=done)
+            delta_text = "" if child.final_reported or child.text is None else child.text.take_delta(finished=done)
             child.final_reported = done
             outputs.append(CompletionOutput(
-                index=child.index, text=child.text.text, token_ids=list(request.output_token_ids),
+                index=child.index, text=child.text.text if child.text is not None else "", token_ids=list(request.output_token_ids),
                 cumulative_logprob=child.cumulative_logprob,
                 logprobs=list(child.logprobs) if child.logprobs is not None else None,
                 finish_reason=request.get_finished_reason() if done else None,

@@ -9,7 +9,7 @@ from typing import Any
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.engine.llm_engine import LLMEngine, PromptType
 from novainfer.outputs import RequestOutput
-from novainfer.sampling_params import SamplingParams
+from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, str]
 
@@ -57,7 +57,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order."""
-        request_ids = self._add_requests(prompts, sampling_params)
+        request_ids = self._add_requests(prompts, self._final_only(sampling_params))
         finished: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm and len(request_ids) > 1:
@@ -78,6 +78,24 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [finished[rid] for rid in request_ids]
+
+    @staticmethod
+    def _final_only(sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                    ) -> SamplingParams | list[SamplingParams]:
+        """Copies of the params that report only final outputs: generate() waits for those anyway."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()]
+            single = True
+        else:
+            single = False
+        final = []
+        for params in sampling_params:
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            params = params.clone()
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            final.append(params)
+        return final[0] if single else final
 
     def generate_stream(self, prompts: PromptType | Sequence[PromptType],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -1,8 +1,14 @@
-"""ModelRunner: turns a step's sequences into flat tensors, runs the model, returns logits.
+"""ModelRunner: turns a step's sequences into flat tensors, runs the model, samples.
 
-A step is a list of :class:`SequenceInput`: each sequence computes some new tokens on top of
-``start_pos`` tokens whose K/V are already in the paged cache. All sequences are flattened into
-one varlen batch (no padding to [B, T]); logits are computed only for the rows that need them.
+A step is a set of sequences, each computing some new tokens on top of ``start_pos`` tokens
+whose K/V are already in the paged cache. All sequences are flattened into one varlen batch
+(no padding to [B, T]); logits are computed only for the rows that need them.
+
+The hot path is lean: a step's integer inputs go to the device in one copy from a pinned
+buffer (:mod:`novainfer.worker.input_buffers`), each running request keeps a row of a
+persistent host block table that is only appended to, decode-only steps replay CUDA graphs
+(:mod:`novainfer.worker.cuda_graphs`), and the sampled tokens come back in the step's one
+device-to-host synchronisation.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+import logging
 
 import numpy as np
 import torch
@@ -20,6 +28,13 @@ from novainfer.core.sched.output import SchedulerOutput
 from novainfer.model_loader import load_model
 from novainfer.sample import Sampler, SamplingMetadata, make_generator
 from novainfer.sampling_params import SamplingParams
+from novainfer.worker.cuda_graphs import DecodeGraphs, cudagraph_batch_sizes
+from novainfer.worker.input_buffers import BufferCapacity, StepInputBuffers
+
+logger = logging.getLogger(__name__)
+
+# Larger decode batches gain little from graphs (their kernels are long) and cost capture memory.
+MAX_CUDAGRAPH_BATCH_SIZE = 512
 
 
 @dataclass
@@ -34,10 +49,15 @@ class SequenceInput:
 
 @dataclass
 class ModelInput:
+    """A staged step: device views of its inputs, and how to run it."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | None  # None when the step replays a CUDA graph
     logits_indices: torch.Tensor
+    num_seqs: int
+    graph_size: int | None = None  # the padded batch size of the graph to replay
+    logits_are_all_rows: bool = False  # logits_indices == arange(num rows): no gather needed
 
 
 @dataclass
@@ -49,8 +69,11 @@ class CachedRequestState:
     num_prompt_tokens: int
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
     num_computed_tokens: int
+    row: int  # this request's row of the runner's persistent block table
+    num_blocks: int = 0  # filled entries of that row
+    # Greedy with nothing that needs the full sampler (penalties, logprobs): argmax is enough.
+    plain_greedy: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -82,6 +105,12 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Kept across preemption so that a seeded request resumes its random stream.
         self.generators: dict[str, torch.Generator] = {}
+        self.max_blocks_per_seq = -(-model_config.max_model_len // self.block_size)
+        self.buffers: StepInputBuffers | None = None
+        # Row r holds the block ids of the request that owns row r (host only; a step copies its rows).
+        self.block_table_rows = np.zeros((0, self.max_blocks_per_seq), dtype=np.int32)
+        self._free_rows: list[int] = []
+        self.graphs = DecodeGraphs()
 
     # ---- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -109,11 +138,122 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.num_blocks = 0
+        self.graphs.clear()  # they point at the dropped caches
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ---- one step ---------------------------------------------------------------------------
+    @property
+    def cuda_graphs_enabled(self) -> bool:
+        return (self.device.type == "cuda" and not self.model_config.enforce_eager
+                and getattr(self.attn_backend, "supports_cuda_graphs", False))
+
+    @torch.inference_mode()
+    def capture_model(self, max_batch_size: int, max_num_tokens: int) -> None:
+        """Captures decode graphs for up to ``max_batch_size`` sequences (after the KV cache exists).
+
+        ``max_num_tokens`` sizes the input buffers for the largest step first, so that no later
+        step has to grow them (which would drop the graphs).
+        """
+        if not self.cuda_graphs_enabled:
+            return
+        sizes = cudagraph_batch_sizes(min(max_batch_size, MAX_CUDAGRAPH_BATCH_SIZE))
+        largest = sizes[-1]
+        self._ensure_capacity(BufferCapacity(max(max_num_tokens, largest), largest, self.max_blocks_per_seq))
+        # Capture on harmless padding rows: token 0 at position 0, no KV slot, empty context.
+        self.buffers.wait_until_writable()
+        self._fill_padding(0, largest)
+        self.buffers.copy_to_device(self.buffers.nbytes)
+        views = self.buffers.device_views
+
+        def run_step(size: int) -> torch.Tensor:
+            metadata = self._decode_metadata(size)
+            self.attn_backend.prepare(metadata)
+            hidden = self.model(views["input_ids"][:size], views["positions"][:size], metadata)
+            return self.model.compute_logits(hidden)
+
+        self.graphs.capture(sizes, run_step)
+
+    # ---- staging a step ----------------------------------------------------------------------
+    def _ensure_capacity(self, need: BufferCapacity) -> None:
+        if self.buffers is not None and self.buffers.capacity.covers(need):
+            return
+        capacity = need if self.buffers is None else self.buffers.capacity.grown_to(need)
+        if self.graphs:
+            logger.warning("a step needs larger input buffers (%s); dropping the CUDA graphs", capacity)
+            self.graphs.clear()
+        self.buffers = StepInputBuffers(capacity, self.device)
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        """Rows [start, end) of a padded decode batch: no KV slot, empty context."""
+        host = self.buffers.host
+        host["input_ids"][start:end] = 0
+        host["positions"][start:end] = 0
+        host["slot_mapping"][start:end] = -1
+        host["seq_lens"][start:end] = 0
+        host["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
+        host["logits_indices"][start:end] = np.arange(start, end)
+
+    def _decode_metadata(self, size: int) -> AttentionMetadata:
+        """Metadata of a captured decode step: views of the static buffers, lengths read on device."""
+        views = self.buffers.device_views
+        max_len = self.model_config.max_model_len
+        return AttentionMetadata(
+            num_tokens=size, num_seqs=size, block_size=self.block_size, max_query_len=1, max_seq_len=max_len,
+            query_start_loc=views["query_start_loc"][:size + 1], seq_lens=views["seq_lens"][:size],
+            block_tables=views["block_tables"][:size], slot_mapping=views["slot_mapping"][:size],
+            query_lens_cpu=np.ones(size, dtype=np.int64), seq_lens_cpu=np.full(size, max_len, dtype=np.int64),
+            backend=self.attn_backend)
+
+    def _stage(self, input_ids: np.ndarray, query_lens: np.ndarray, start_pos: np.ndarray,
+               block_tables: np.ndarray, logits_indices: np.ndarray, allow_graph: bool = True) -> ModelInput:
+        """Writes a step's inputs into the staging buffer and sends them to the device in one copy.
+
+        ``block_tables`` is [num_seqs, n] with n >= every sequence's block count.
+        """
+        num_seqs, num_tokens = len(query_lens), len(input_ids)
+        self._ensure_capacity(BufferCapacity(max(num_tokens, len(logits_indices)), num_seqs,
+                                             block_tables.shape[1]))
+        self.buffers.wait_until_writable()
+        graph_size = None
+        if allow_graph and self.graphs and int(query_lens.max()) == 1:
+            graph_size = self.graphs.padded_size(num_seqs)
+        host, bs = self.buffers.host, self.block_size
+        cu_lens = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu_lens[1:])
+        seq_lens = start_pos + query_lens
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(num_tokens) - cu_lens[:-1][seq_index] + start_pos[seq_index]
+        host["input_ids"][:num_tokens] = input_ids
+        host["positions"][:num_tokens] = positions
+        host["slot_mapping"][:num_tokens] = block_tables[seq_index, positions // bs] * bs + positions % bs
+        host["logits_indices"][:len(logits_indices)] = logits_indices
+        host["query_start_loc"][:num_seqs + 1] = cu_lens
+        host["seq_lens"][:num_seqs] = seq_lens
+        host["block_tables"][:num_seqs, :block_tables.shape[1]] = block_tables
+        rows = graph_size or num_seqs
+        if graph_size is not None and graph_size > num_seqs:
+            self._fill_padding(num_seqs, graph_size)
+        self.buffers.copy_to_device(self.buffers.block_table_rows_end(rows))
+
+        views = self.buffers.device_views
+        all_rows = len(logits_indices) == num_tokens and bool((logits_indices == np.arange(num_tokens)).all())
+        metadata = None
+        if graph_size is None:
+            metadata = AttentionMetadata(
+                num_tokens=num_tokens, num_seqs=num_seqs, block_size=bs,
+                max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+                query_start_loc=views["query_start_loc"][:num_seqs + 1], seq_lens=views["seq_lens"][:num_seqs],
+                block_tables=views["block_tables"][:num_seqs], slot_mapping=views["slot_mapping"][:num_tokens],
+                query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, backend=self.attn_backend)
+            self.attn_backend.prepare(metadata)
+        return ModelInput(views["input_ids"][:num_tokens], views["positions"][:num_tokens], metadata,
+                          views["logits_indices"][:len(logits_indices)], num_seqs, graph_size, all_rows)
+
     def prepare_inputs(self, seqs: Sequence[SequenceInput]) -> ModelInput:
+        """Stages an explicit list of sequences (the low-level API); always an eager step."""
+        return self._stage(*self._flatten(seqs), allow_graph=False)
+
+    def _flatten(self, seqs: Sequence[SequenceInput]):
         if not seqs:
             raise ValueError("a forward step needs at least one sequence")
         bs = self.block_size
@@ -122,70 +262,91 @@ class ModelRunner:
             raise ValueError(f"every sequence must compute at least one token, got query lengths {query_lens.tolist()}")
         start_pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
         seq_lens = start_pos + query_lens
-        cu_lens = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu_lens[1:])
-        num_tokens = int(cu_lens[-1])
-
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = np.zeros((len(seqs), max(max_blocks, 1)), dtype=np.int64)
+        block_tables = np.zeros((len(seqs), max(max(len(s.block_table) for s in seqs), 1)), dtype=np.int32)
         for i, s in enumerate(seqs):
             if len(s.block_table) * bs < seq_lens[i]:
                 raise ValueError(f"sequence {i}: {len(s.block_table)} blocks of {bs} tokens cannot hold "
                                  f"{int(seq_lens[i])} tokens")
             block_tables[i, :len(s.block_table)] = s.block_table
-
-        seq_index = np.repeat(np.arange(len(seqs)), query_lens)
-        positions = np.arange(num_tokens) - cu_lens[:-1][seq_index] + start_pos[seq_index]
-        slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
-        input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=num_tokens)
-
+        cu_lens = np.cumsum(query_lens)
         logits_rows = []
         for i, s in enumerate(seqs):
             if s.logits == "last":
-                logits_rows.append(np.array([cu_lens[i + 1] - 1]))
+                logits_rows.append(np.array([cu_lens[i] - 1]))
             elif s.logits == "all":
-                logits_rows.append(np.arange(cu_lens[i], cu_lens[i + 1]))
+                logits_rows.append(np.arange(cu_lens[i] - query_lens[i], cu_lens[i]))
             elif s.logits != "none":
                 raise ValueError(f"logits must be 'none', 'last' or 'all', got {s.logits!r}")
         logits_indices = np.concatenate(logits_rows) if logits_rows else np.zeros(0, dtype=np.int64)
+        input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=int(cu_lens[-1]))
+        return input_ids, query_lens, start_pos, block_tables, logits_indices
 
-        dev = self.device
-        metadata = AttentionMetadata(
-            num_tokens=num_tokens, num_seqs=len(seqs), block_size=bs,
-            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(cu_lens.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, backend=self.attn_backend)
-        self.attn_backend.prepare(metadata)
-        return ModelInput(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata,
-                          torch.from_numpy(logits_indices).to(dev))
+    # ---- running a step ----------------------------------------------------------------------
+    def _compute_logits(self, model_input: ModelInput) -> torch.Tensor:
+        """Logits [rows requested, vocab] in the model's dtype."""
+        if model_input.graph_size is not None:
+            logits = self.graphs.replay(model_input.graph_size)
+            if model_input.logits_are_all_rows:
+                return logits[:model_input.num_seqs]
+            return logits[model_input.logits_indices]
+        hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+        if not model_input.logits_are_all_rows:
+            hidden = hidden[model_input.logits_indices]
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
-        """Runs one step; returns float32 logits [rows requested, vocab] in input order."""
-        model_input = self.prepare_inputs(seqs)
-        hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
-        return self.model.compute_logits(hidden[model_input.logits_indices]).float()
+        """Runs one step; returns float32 logits [rows requested, vocab] in input order.
+
+        Decode-only steps replay a CUDA graph when one was captured.
+        """
+        return self._compute_logits(self._stage(*self._flatten(seqs))).float()
 
     # ---- engine steps ------------------------------------------------------------------------
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old = len(self.block_table_rows)
+            grown = np.zeros((max(16, 2 * old), self.max_blocks_per_seq), dtype=np.int32)
+            grown[:old] = self.block_table_rows
+            self.block_table_rows = grown
+            self._free_rows = list(range(len(grown) - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def _drop_request(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    def _append_blocks(self, state: CachedRequestState, block_ids: Sequence[int]) -> None:
+        end = state.num_blocks + len(block_ids)
+        if end > self.max_blocks_per_seq:
+            raise ValueError(f"request {state.req_id} has {end} KV blocks, more than the "
+                             f"{self.max_blocks_per_seq} that max_model_len={self.model_config.max_model_len} needs")
+        self.block_table_rows[state.row, state.num_blocks:end] = block_ids
+        state.num_blocks = end
+
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            self._drop_request(rid)
             self.generators.pop(rid, None)
         for rid in so.preempted_req_ids:
-            self.requests.pop(rid, None)
+            self._drop_request(rid)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            self.requests[new.req_id] = CachedRequestState(
+            plain_greedy = (params.is_greedy and params.logprobs is None and params.presence_penalty == 0.0
+                            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
+            self._drop_request(new.req_id)  # a resumed request may still hold a row
+            state = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
-                list(new.output_token_ids), params, list(new.block_ids), new.num_computed_tokens)
+                list(new.output_token_ids), params, new.num_computed_tokens, self._take_row(),
+                plain_greedy=plain_greedy)
+            self._append_blocks(state, new.block_ids)
+            self.requests[new.req_id] = state
             if params.seed is not None and not params.is_greedy and new.req_id not in self.generators:
                 self.generators[new.req_id] = make_generator(params.seed, self.device)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            self._append_blocks(state, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
@@ -193,38 +354,55 @@ class ModelRunner:
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
-        seqs, sampling = [], []
-        for rid, num_tokens in so.num_scheduled_tokens.items():
+        num_seqs = len(so.num_scheduled_tokens)
+        query_lens = np.empty(num_seqs, dtype=np.int64)
+        start_pos = np.empty(num_seqs, dtype=np.int64)
+        rows = np.empty(num_seqs, dtype=np.int64)
+        input_ids: list[int] = []
+        sampling: list[CachedRequestState] = []
+        sampling_seqs: list[int] = []
+        for i, (rid, num_tokens) in enumerate(so.num_scheduled_tokens.items()):
             state = self.requests[rid]
             start = state.num_computed_tokens
-            samples = start + num_tokens == len(state.token_ids)
-            seqs.append(SequenceInput(state.token_ids[start:start + num_tokens], start, state.block_ids,
-                                      "last" if samples else "none"))
-            state.num_computed_tokens += num_tokens
-            if samples:
+            query_lens[i], start_pos[i], rows[i] = num_tokens, start, state.row
+            if num_tokens == 1:
+                input_ids.append(state.token_ids[start])
+            else:
+                input_ids.extend(state.token_ids[start:start + num_tokens])
+            state.num_computed_tokens = start + num_tokens
+            if start + num_tokens == len(state.token_ids):
                 sampling.append(state)
-        logits = self.forward(seqs)
+                sampling_seqs.append(i)
+        max_blocks = -(-int((start_pos + query_lens).max()) // self.block_size)
+        logits_indices = np.cumsum(query_lens)[sampling_seqs] - 1
+        model_input = self._stage(np.asarray(input_ids, dtype=np.int64), query_lens, start_pos,
+                                  self.block_table_rows[rows, :max_blocks], logits_indices)
+        logits = self._compute_logits(model_input)
         if not sampling:
             return ModelRunnerOutput([], [])
-        metadata = SamplingMetadata.from_requests(
-            [s.sampling_params for s in sampling], [s.output_token_ids for s in sampling],
-            [s.prompt_token_ids if s.sampling_params.repetition_penalty != 1.0 else [] for s in sampling],
-            [self.generators.get(s.req_id) for s in sampling], self.device,
-            self.model_config.vocab_size)
-        out = self.sampler(logits, metadata)
-        tokens = out.sampled_token_ids.tolist()  # the step's one device-to-host sync
+        if all(s.plain_greedy and len(s.output_token_ids) >= s.sampling_params.min_tokens for s in sampling):
+            sampled, logprobs = logits.argmax(dim=-1), None
+        else:
+            metadata = SamplingMetadata.from_requests(
+                [s.sampling_params for s in sampling], [s.output_token_ids for s in sampling],
+                [s.prompt_token_ids if s.sampling_params.repetition_penalty != 1.0 else [] for s in sampling],
+                [self.generators.get(s.req_id) for s in sampling], self.device,
+                self.model_config.vocab_size)
+            out = self.sampler(logits.float(), metadata)
+            sampled, logprobs = out.sampled_token_ids, out.logprobs
+        tokens = sampled.tolist()  # the step's one device-to-host sync
         for state, token in zip(sampling, tokens):
             state.token_ids.append(token)
             state.output_token_ids.append(token)
-        return ModelRunnerOutput([s.req_id for s in sampling], tokens, self._logprobs_lists(sampling, out))
+        return ModelRunnerOutput([s.req_id for s in sampling], tokens, self._logprobs_lists(sampling, logprobs))
 
     @staticmethod
-    def _logprobs_lists(sampling: list[CachedRequestState], out) -> list | None:
-        if out.logprobs is None:
+    def _logprobs_lists(sampling: list[CachedRequestState], logprobs) -> list | None:
+        if logprobs is None:
             return None
-        ids = out.logprobs.token_ids.tolist()
-        values = out.logprobs.logprobs.tolist()
-        ranks = out.logprobs.sampled_token_ranks.tolist()
+        ids = logprobs.token_ids.tolist()
+        values = logprobs.logprobs.tolist()
+        ranks = logprobs.sampled_token_ranks.tolist()
         result = []
         for row, state in enumerate(sampling):
             k = state.sampling_params.logprobs

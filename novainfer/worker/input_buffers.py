@@ -1,0 +1,97 @@
+"""One step's integer inputs, staged in one pinned host buffer and sent to the device in one copy.
+
+Every array a forward step needs (token ids, positions, KV slots, logits rows, query start
+offsets, sequence lengths, block tables) lives at a fixed offset of one byte buffer. The host
+fills numpy views of it; a single non-blocking copy moves the used prefix to an identically laid
+out device buffer, whose typed views the step reads. Fixed offsets are what CUDA graphs need: a
+captured graph keeps reading the same device addresses, so refilling the buffer is enough to
+run it on new inputs. Growing a buffer moves it, so the owner must drop its graphs then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_ALIGN = 64  # bytes; keeps every region aligned for any element type and for vector loads
+
+# Regions with one entry per token of the step.
+_TOKEN_REGIONS = (("input_ids", np.int64), ("positions", np.int64), ("slot_mapping", np.int64),
+                  ("logits_indices", np.int64))
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
+
+@dataclass(frozen=True)
+class BufferCapacity:
+    max_tokens: int
+    max_seqs: int
+    max_blocks_per_seq: int
+
+    def covers(self, other: BufferCapacity) -> bool:
+        return (self.max_tokens >= other.max_tokens and self.max_seqs >= other.max_seqs
+                and self.max_blocks_per_seq >= other.max_blocks_per_seq)
+
+    def grown_to(self, other: BufferCapacity) -> BufferCapacity:
+        """At least ``other``, doubling each dimension that is too small (amortised growth)."""
+        def grow(have: int, need: int) -> int:
+            return have if have >= need else max(need, 2 * have)
+        return BufferCapacity(grow(self.max_tokens, other.max_tokens), grow(self.max_seqs, other.max_seqs),
+                              grow(self.max_blocks_per_seq, other.max_blocks_per_seq))
+
+
+class StepInputBuffers:
+    """Host (pinned on CUDA) and device copies of one step's integer inputs.
+
+    ``host[name]`` are numpy views to fill, ``device[name]`` the matching torch views. Token
+    regions hold ``max_tokens`` int64 entries; ``query_start_loc`` (int32, ``max_seqs + 1``),
+    ``seq_lens`` (int32, ``max_seqs``) and ``block_tables`` (int32, ``[max_seqs, max_blocks_per_seq]``,
+    last, so that a step copies only the rows it uses) follow. On CPU both sides share memory.
+    """
+
+    def __init__(self, capacity: BufferCapacity, device: torch.device) -> None:
+        self.capacity = capacity
+        self.device = device
+        regions = [(name, np.dtype(dtype), (capacity.max_tokens,)) for name, dtype in _TOKEN_REGIONS]
+        regions += [("query_start_loc", np.dtype(np.int32), (capacity.max_seqs + 1,)),
+                    ("seq_lens", np.dtype(np.int32), (capacity.max_seqs,)),
+                    ("block_tables", np.dtype(np.int32), (capacity.max_seqs, capacity.max_blocks_per_seq))]
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for name, dtype, shape in regions:
+            self.offsets[name] = offset
+            offset += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
+        self.nbytes = offset
+        on_cuda = device.type == "cuda"
+        self._host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=on_cuda)
+        self._device_bytes = (torch.zeros(self.nbytes, dtype=torch.uint8, device=device) if on_cuda
+                              else self._host_bytes)
+        # Set when a copy is queued; the host waits on it before overwriting the staging buffer.
+        self._copy_done = torch.cuda.Event() if on_cuda else None
+        host_np = self._host_bytes.numpy()
+        self.host: dict[str, np.ndarray] = {}
+        self.device_views: dict[str, torch.Tensor] = {}
+        for name, dtype, shape in regions:
+            start, size = self.offsets[name], int(np.prod(shape)) * dtype.itemsize
+            self.host[name] = host_np[start:start + size].view(dtype).reshape(shape)
+            self.device_views[name] = self._device_bytes[start:start + size].view(_TORCH_DTYPES[dtype]).view(shape)
+
+    def block_table_rows_end(self, num_rows: int) -> int:
+        """Byte offset just past the first ``num_rows`` block-table rows (the end of a step's data)."""
+        row_bytes = self.capacity.max_blocks_per_seq * 4
+        return self.offsets["block_tables"] + num_rows * row_bytes
+
+    def wait_until_writable(self) -> None:
+        """Blocks until the last copy has read the host buffer (call before refilling it).
+
+        The copy is the first thing a step queues, so this rarely waits at all.
+        """
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+
+    def copy_to_device(self, num_bytes: int) -> None:
+        """Sends the first ``num_bytes`` to the device, asynchronously (a no-op on CPU)."""
+        if self._copy_done is not None:
+            self._device_bytes[:num_bytes].copy_(self._host_bytes[:num_bytes], non_blocking=True)
+            self._copy_done.record()
