@@ -149,6 +149,15 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens} (request {request_id!r})")
         pool = self.block_pool
         request = self._requests.get(request_id)
+        if request is not None and not new_computed_blocks and not num_new_computed_tokens:
+            # The common decode step: the last block still has room. Checked first because it
+            # runs for every running request on every step.
+            num_tokens = request.num_tokens + num_new_tokens
+            if num_tokens <= len(request.block_ids) * self.block_size:
+                request.num_tokens = num_tokens
+                if self.enable_prefix_caching:
+                    self._cache_full_blocks(request, token_ids)
+                return []
         if request is None:
             hit_blocks = [pool.blocks[i] for i in new_computed_blocks]
             self._check_hits(request_id, token_ids, hit_blocks, num_new_computed_tokens)

@@ -52,6 +52,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._spaces_between_special_tokens = spaces_between_special_tokens
+        # A fast tokenizer's Rust backend decodes without the Python wrapper's per-call
+        # conversions (most of the cost for a few ids); it has no spaces_between_special_tokens
+        # option, and the wrapper ignores that option for fast tokenizers too.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._window: list[int] = context
@@ -97,7 +101,9 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         # Cleanup of tokenization spaces looks across token boundaries, so
         # applying it to windows would not add up to applying it to the whole
-        # text; it is disabled.
+        # text; it is disabled (the backend never applies it).
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             token_ids,
             skip_special_tokens=self._skip_special_tokens,

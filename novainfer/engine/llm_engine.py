@@ -170,9 +170,9 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish_requests(request.request_id, status)
                 self.stats.finished_requests_total[request.get_finished_reason()] += 1
-            touched[self.output_processor.parent_of(request.request_id)] = None
-        outputs = [self.output_processor.make_output(pid) for pid in touched
-                   if self.output_processor.wants_output(pid)]
+            if self.output_processor.wants_output(request.request_id, status is not None):
+                touched[self.output_processor.parent_of(request.request_id)] = None
+        outputs = [self.output_processor.make_output(pid) for pid in touched]
         self._record_step(scheduler_output, len(updated), time.perf_counter() - started, model_time)
         return outputs
 

@@ -43,6 +43,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, ParentState] = {}
+        self.children: dict[str, ChildState] = {}
 
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
         parent = ParentState(parent_id, prompt, children[0].prompt_token_ids,
@@ -56,9 +57,11 @@ class OutputProcessor:
                                        skip_special_tokens=params.skip_special_tokens,
                                        spaces_between_special_tokens=params.spaces_between_special_tokens)
             wants_logprobs = params.logprobs is not None
-            parent.children.append(ChildState(request, index, text, [] if wants_logprobs else None,
-                                              0.0 if wants_logprobs else None))
+            child = ChildState(request, index, text, [] if wants_logprobs else None,
+                               0.0 if wants_logprobs else None)
+            parent.children.append(child)
             self.child_to_parent[request.request_id] = parent
+            self.children[request.request_id] = child
         self.parents[parent_id] = parent
 
     def child_ids(self, parent_id: str) -> list[str]:
@@ -68,7 +71,7 @@ class OutputProcessor:
     def process_token(self, request: Request, token_stop: RequestStatus | None,
                       logprobs: tuple[list[int], list[float], int] | None) -> RequestStatus | None:
         """Detokenizes a request's newest token and checks stop strings; returns its finish status."""
-        child = self._child(request.request_id)
+        child = self.children[request.request_id]
         params = request.sampling_params
         # A stop token (EOS or stop_token_ids) ends the text without being rendered, unless asked.
         stopped_by_token = token_stop == RequestStatus.FINISHED_STOPPED
@@ -87,14 +90,15 @@ class OutputProcessor:
             child.cumulative_logprob += values[0]
         return token_stop
 
-    def _child(self, request_id: str) -> ChildState:
-        parent = self.child_to_parent[request_id]
-        return next(c for c in parent.children if c.request.request_id == request_id)
+    def wants_output(self, request_id: str, finished_now: bool) -> bool:
+        """Whether a child's new token makes its parent produce an output this step.
 
-    def wants_output(self, parent_id: str) -> bool:
-        """Whether the parent produces an output now (a FINAL_ONLY one only once it has finished)."""
-        parent = self.parents[parent_id]
-        return parent.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished()
+        FINAL_ONLY parents produce one only when their last child finishes.
+        """
+        parent = self.child_to_parent[request_id]
+        if parent.output_kind != RequestOutputKind.FINAL_ONLY:
+            return True
+        return finished_now and parent.finished()
 
     def make_output(self, parent_id: str) -> RequestOutput:
         """The parent's current output; forgets the parent once every child is finished."""
@@ -122,6 +126,7 @@ class OutputProcessor:
             del self.parents[parent_id]
             for child in parent.children:
                 self.child_to_parent.pop(child.request.request_id, None)
+                self.children.pop(child.request.request_id, None)
         return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                              max(first.num_cached_tokens, 0), metrics)
 

@@ -346,7 +346,8 @@ class ModelRunner:
                 self.generators[new.req_id] = make_generator(params.seed, self.device)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            self._append_blocks(state, cached.new_block_ids)
+            if cached.new_block_ids:
+                self._append_blocks(state, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
