@@ -33,9 +33,9 @@ CONFIGS = {
 
 
 def make_runner(model_dir, block_size: int = 4, num_blocks: int = 256, device: str = "cpu",
-                dtype: str = "auto") -> ModelRunner:
-    runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype), CacheConfig(block_size=block_size),
-                         torch.device(device))
+                dtype: str = "auto", attention_backend: str | None = None) -> ModelRunner:
+    runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype, attention_backend=attention_backend),
+                         CacheConfig(block_size=block_size), torch.device(device))
     runner.load_model()
     runner.allocate_kv_cache(num_blocks)
     return runner

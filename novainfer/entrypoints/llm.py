@@ -29,6 +29,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    def shutdown(self) -> None:
+        """Releases the workers (and their device memory, once the LLM itself is dropped)."""
+        self.llm_engine.shutdown()
+
     def _add_requests(self, prompts: PromptType | Sequence[PromptType],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts

@@ -64,7 +64,8 @@ class DecodeGraphs:
             run_step(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: ranks of the single-process TP executor capture on their own threads at once.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 logits = run_step(size)
             self._graphs[size] = (graph, logits)
         torch.cuda.synchronize()

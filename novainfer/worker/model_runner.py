@@ -22,7 +22,8 @@ import logging
 import numpy as np
 import torch
 
-from novainfer.attention import AttentionBackend, AttentionMetadata, TorchReferenceBackend
+from novainfer.attention import AttentionBackend, AttentionMetadata
+from novainfer.attention.backends.selector import get_attn_backend
 from novainfer.config import CacheConfig, ModelConfig
 from novainfer.core.sched.output import SchedulerOutput
 from novainfer.model_loader import load_model
@@ -98,7 +99,7 @@ class ModelRunner:
         self.cache_config = cache_config
         self.device = device
         self.block_size = cache_config.block_size
-        self.attn_backend = attn_backend or TorchReferenceBackend()
+        self.attn_backend = attn_backend or get_attn_backend(device, model_config.attention_backend)
         self.model: torch.nn.Module | None = None
         self.num_blocks = 0
         self.sampler = Sampler()
@@ -111,6 +112,9 @@ class ModelRunner:
         self.block_table_rows = np.zeros((0, self.max_blocks_per_seq), dtype=np.int32)
         self._free_rows: list[int] = []
         self.graphs = DecodeGraphs()
+        # The captured steps' metadata: its backend data (e.g. split-K workspaces) must live as
+        # long as the graphs that use it.
+        self._graph_metadata: dict[int, AttentionMetadata] = {}
 
     # ---- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -138,7 +142,7 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.num_blocks = 0
-        self.graphs.clear()  # they point at the dropped caches
+        self._clear_graphs()  # they point at the dropped caches
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -166,7 +170,7 @@ class ModelRunner:
         views = self.buffers.device_views
 
         def run_step(size: int) -> torch.Tensor:
-            metadata = self._decode_metadata(size)
+            metadata = self._graph_metadata[size] = self._decode_metadata(size)
             self.attn_backend.prepare(metadata)
             hidden = self.model(views["input_ids"][:size], views["positions"][:size], metadata)
             return self.model.compute_logits(hidden)
@@ -180,8 +184,12 @@ class ModelRunner:
         capacity = need if self.buffers is None else self.buffers.capacity.grown_to(need)
         if self.graphs:
             logger.warning("a step needs larger input buffers (%s); dropping the CUDA graphs", capacity)
-            self.graphs.clear()
+            self._clear_graphs()
         self.buffers = StepInputBuffers(capacity, self.device)
+
+    def _clear_graphs(self) -> None:
+        self.graphs.clear()
+        self._graph_metadata.clear()
 
     def _fill_padding(self, start: int, end: int) -> None:
         """Rows [start, end) of a padded decode batch: no KV slot, empty context."""

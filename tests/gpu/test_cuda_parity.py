@@ -1,4 +1,4 @@
-"""bfloat16 parity with transformers on CUDA (reference attention backend).
+"""bfloat16 parity with transformers on CUDA, with the reference and the Triton attention backends.
 
 bf16 tolerance: our logits may differ from transformers' bf16 logits, but must be about as close to
 the float32 truth as transformers' own bf16 logits are (within 2x their error plus 0.05 absolute).
@@ -26,10 +26,15 @@ CONFIGS = {
 }
 
 
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_bf16_logits_close_to_transformers(name):
+def test_bf16_logits_close_to_transformers(name, backend):
     model_dir = tiny_model(**CONFIGS[name])
-    runner = make_runner(model_dir, block_size=16, num_blocks=64, device="cuda", dtype="bfloat16")
+    runner = make_runner(model_dir, block_size=16, num_blocks=64, device="cuda", dtype="bfloat16",
+                         attention_backend=backend)
     prompts = random_prompts(runner.model_config.vocab_size, [5, 33, 120], seed=7)
     tables = block_tables_for([len(p) for p in prompts], runner.block_size)
     ours = runner.forward(_seqs(prompts, tables)).cpu()
@@ -41,7 +46,7 @@ def test_bf16_logits_close_to_transformers(name):
         offset += len(prompt)
         our_err = (mine - truth).abs().max().item()
         their_err = (theirs - truth).abs().max().item()
-        print(f"{name} len={len(prompt)}: our bf16 err {our_err:.4f}, transformers bf16 err {their_err:.4f}")
+        print(f"{name} {backend} len={len(prompt)}: our bf16 err {our_err:.4f}, transformers bf16 err {their_err:.4f}")
         assert our_err <= 2 * their_err + 0.05
 
 
@@ -51,16 +56,18 @@ def _seqs(prompts, tables):
     return [SequenceInput(p, 0, t, "all") for p, t in zip(prompts, tables)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_bf16_greedy_equal_until_near_tie(name):
+def test_bf16_greedy_equal_until_near_tie(name, backend):
     model_dir = tiny_model(**CONFIGS[name])
-    runner = make_runner(model_dir, block_size=16, num_blocks=64, device="cuda", dtype="bfloat16")
+    runner = make_runner(model_dir, block_size=16, num_blocks=64, device="cuda", dtype="bfloat16",
+                         attention_backend=backend)
     prompts = random_prompts(runner.model_config.vocab_size, [4, 17, 60], seed=8)
     ours = greedy_with_runner(runner, prompts, 32, chunk_size=25, stagger=1)
     for prompt, out in zip(prompts, ours):
         ref = hf_greedy(model_dir, prompt, 32, torch.bfloat16, "cuda")
         diverge = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
-        print(f"{name} prompt len {len(prompt)}: equal for {diverge if diverge is not None else 32}/32 tokens")
+        print(f"{name} {backend} prompt len {len(prompt)}: equal for {diverge if diverge is not None else 32}/32 tokens")
         if diverge is None:
             continue
         context = prompt + out[:diverge]
