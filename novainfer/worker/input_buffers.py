@@ -64,11 +64,8 @@ class StepInputBuffers:
             offset += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
         self.nbytes = offset
         on_cuda = device.type == "cuda"
-        self._host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=on_cuda)
-        self._device_bytes = (torch.zeros(self.nbytes, dtype=torch.uint8, device=device) if on_cuda
-                              else self._host_bytes)
-        # Set when a copy is queued; the host waits on it before overwriting the staging buffer.
-        self._copy_done = torch.cuda.Event() if on_cuda else None
+        with torch.inference_mode(False):  # normal tensors: refilled in place from any mode
+            self._allocate(on_cuda)
         host_np = self._host_bytes.numpy()
         self.host: dict[str, np.ndarray] = {}
         self.device_views: dict[str, torch.Tensor] = {}
@@ -76,6 +73,13 @@ class StepInputBuffers:
             start, size = self.offsets[name], int(np.prod(shape)) * dtype.itemsize
             self.host[name] = host_np[start:start + size].view(dtype).reshape(shape)
             self.device_views[name] = self._device_bytes[start:start + size].view(_TORCH_DTYPES[dtype]).view(shape)
+
+    def _allocate(self, on_cuda: bool) -> None:
+        self._host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=on_cuda)
+        self._device_bytes = (torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device) if on_cuda
+                              else self._host_bytes)
+        # Set when a copy is queued; the host waits on it before overwriting the staging buffer.
+        self._copy_done = torch.cuda.Event() if on_cuda else None
 
     def block_table_rows_end(self, num_rows: int) -> int:
         """Byte offset just past the first ``num_rows`` block-table rows (the end of a step's data)."""

@@ -8,6 +8,8 @@ run eagerly.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -51,10 +53,11 @@ def test_graph_replay_matches_eager_decode_step(model_dir, num_seqs):
     tables = block_tables_for([len(p) + 1 for p in prompts], runner.block_size)
     runner.forward([SequenceInput(p, 0, t, "none") for p, t in zip(prompts, tables)])
     decode = [SequenceInput([7], len(p), t, "last") for p, t in zip(prompts, tables)]
-    graph_input = runner._stage(*runner._flatten(decode))
-    assert graph_input.graph_size == runner.graphs.padded_size(num_seqs)
-    graph_logits = runner._compute_logits(graph_input).float().clone()
-    eager_logits = runner._compute_logits(runner.prepare_inputs(decode)).float()
+    with torch.inference_mode():
+        graph_input = runner._stage(*runner._flatten(decode))
+        assert graph_input.graph_size == runner.graphs.padded_size(num_seqs)
+        graph_logits = runner._compute_logits(graph_input).float().clone()
+        eager_logits = runner._compute_logits(runner.prepare_inputs(decode)).float()
     assert graph_logits.shape == eager_logits.shape == (num_seqs, runner.model_config.vocab_size)
     torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=1e-4)
 
@@ -87,8 +90,9 @@ def test_preemption_on_gpu_keeps_outputs(model_dir, eager_outputs):
 
 
 def test_prefix_caching_on_gpu_keeps_outputs(model_dir):
-    shared = random_prompts(1000, [200], seed=5)[0]
-    prompts = [shared + tail for tail in random_prompts(1000, [3, 40, 17, 90], seed=6)]
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    shared = random_prompts(vocab_size, [200], seed=5)[0]
+    prompts = [shared + tail for tail in random_prompts(vocab_size, [3, 40, 17, 90], seed=6)]
     results = {}
     for caching in (False, True):
         llm = LLM(str(model_dir), dtype="float32", enable_prefix_caching=caching, num_gpu_blocks_override=512)
