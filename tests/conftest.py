@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):  # the marker, not the tests/gpu folder name
             item.add_marker(skip_gpu)
 
 

@@ -22,9 +22,17 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """As :meth:`forward_native`; on CUDA one fused Triton kernel does the add and the norm."""
+        if x.is_cuda:
+            from novainfer.layers.ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        return self.forward_native(x, residual)

@@ -31,10 +31,20 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """``query`` [T, Hq, D] and ``key`` [T, Hkv, D] rotated by ``positions`` [T]."""
+    def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """``query`` [T, Hq, D] and ``key`` [T, Hkv, D] rotated by ``positions`` [T] (new tensors)."""
         cos = self.cos_cached[positions].unsqueeze(1).to(query.dtype)
         sin = self.sin_cached[positions].unsqueeze(1).to(query.dtype)
         q = query * cos + self._rotate_half(query) * sin
         k = key * cos + self._rotate_half(key) * sin
         return q, k
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """As :meth:`forward_native`; on CUDA a Triton kernel rotates ``query`` and ``key`` in place
+        (in float32, rounded once) and returns them."""
+        if query.is_cuda:
+            from novainfer.layers.ops import rotary_embedding_
+
+            rotary_embedding_(positions, query, key, self.cos_cached, self.sin_cached)
+            return query, key
+        return self.forward_native(positions, query, key)

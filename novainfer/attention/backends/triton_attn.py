@@ -1,0 +1,105 @@
+"""Triton attention backend: paged KV store, varlen prefill and split-K decode kernels (CUDA).
+
+What ``forward`` reads from :class:`AttentionMetadata` (device tensors are read on the device only;
+nothing here synchronises with the host, so a decode-only step can be captured in a CUDA graph):
+
+- ``slot_mapping`` [T] int64: cache slot of each new token; a negative slot skips the row.
+- ``seq_lens`` [B] int32: true context length of each sequence including this step's tokens;
+  0 marks a padding row (its output row is zero and nothing is read for it).
+- ``block_tables`` [B, max_blocks] int32 (rows may be strided): only the first
+  ``ceil(seq_lens[b] / block_size)`` entries of row ``b`` are read.
+- ``query_start_loc`` [B + 1] int32: read only in steps that contain a prefill (``max_query_len > 1``).
+  In a decode-only step, token row ``b`` belongs to sequence ``b`` and ``T`` must equal ``num_seqs``.
+- ``num_seqs`` (= B) and, through :meth:`prepare`, ``max_query_len``, ``max_seq_len`` (an upper bound is
+  fine: it only picks the number of decode splits) and, for mixed steps, ``query_lens_cpu`` /
+  ``seq_lens_cpu``.
+- ``backend_data``: the :class:`TritonAttentionPlan` that :meth:`prepare` stored. It also holds the
+  split-K workspace allocated by the step's first layer and reused by the others. Under CUDA-graph
+  capture, run ``prepare`` for the captured metadata inside the capture (or keep that metadata alive
+  as long as the graph), so that the graph's workspace cannot be handed to other tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from novainfer.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from novainfer.attention.ops import (choose_num_splits, decode_attention, decode_workspace_shape, prefill_attention,
+                                     reshape_and_cache)
+
+# The Triton interpreter (CPU tensors) has no SM count; any small number exercises the same paths.
+_INTERPRETER_SMS = 8
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass
+class TritonAttentionPlan:
+    """What one step's layers share: which kernels run, and the split-K workspace."""
+
+    decode_only: bool
+    num_decodes: int  # sequences with one query token (the split-K decode kernel's)
+    has_prefills: bool  # sequences with more than one query token (the prefill kernel's)
+    decode_max_seq_len: int  # bound on the decodes' context lengths (picks the number of splits)
+    workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def split_workspace(self, num_seqs: int, num_heads: int, head_size: int, num_splits: int,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (num_seqs, num_heads, head_size, num_splits, device)
+        if key not in self.workspace:
+            out_shape, lse_shape = decode_workspace_shape(num_seqs, num_heads, head_size, num_splits)
+            self.workspace[key] = (torch.empty(out_shape, dtype=torch.float32, device=device),
+                                   torch.empty(lse_shape, dtype=torch.float32, device=device))
+        return self.workspace[key]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Stores K/V, then attends: prefill rows through the varlen kernel, decode rows through split-K.
+
+    A decode-only step is one store and one decode launch (plus a reduce when split). A step that
+    holds prompt chunks runs the prefill kernel over the sequences with more than one query and,
+    if some sequences decode, the decode kernel over those.
+    """
+
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        if metadata.max_query_len == 1:
+            plan = TritonAttentionPlan(True, metadata.num_seqs, False, metadata.max_seq_len)
+        else:
+            is_decode = metadata.query_lens_cpu == 1
+            num_decodes = int(is_decode.sum())
+            decode_max = int(metadata.seq_lens_cpu[is_decode].max()) if num_decodes else 0
+            plan = TritonAttentionPlan(False, num_decodes, True, decode_max)
+        metadata.backend_data = plan
+
+    def forward(self, query, key, value, k_cache, v_cache, metadata, scale):
+        plan: TritonAttentionPlan = metadata.backend_data
+        num_tokens, num_heads, head_size = query.shape
+        if plan.decode_only and num_tokens != metadata.num_seqs:
+            raise ValueError(f"a decode-only step needs one token per sequence, got {num_tokens} tokens for "
+                             f"num_seqs={metadata.num_seqs}")
+        reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if plan.has_prefills:
+            prefill_attention(query, k_cache, v_cache, out, metadata.query_start_loc, metadata.seq_lens,
+                              metadata.block_tables, scale, skip_decodes=plan.num_decodes > 0)
+        if plan.num_decodes:
+            num_splits = choose_num_splits(plan.num_decodes, k_cache.shape[2], head_size, plan.decode_max_seq_len,
+                                           _num_sms(query.device))
+            workspace = None
+            if num_splits > 1:
+                workspace = plan.split_workspace(metadata.num_seqs, num_heads, head_size, num_splits, query.device)
+            decode_attention(query, k_cache, v_cache, out, metadata.seq_lens, metadata.block_tables, scale,
+                             num_splits, query_start_loc=None if plan.decode_only else metadata.query_start_loc,
+                             workspace=workspace)
+        return out
