@@ -1,11 +1,15 @@
-"""Helpers shared by the benchmarks: the model under test, the workload, machine facts, results files.
+"""Helpers shared by the benchmarks: the model under test, the engines' arguments, the workload,
+machine facts, results files.
 
-Results files never hold absolute paths of the machine they were made on: paths inside the
-repository are written relative to it, paths under the home directory start with ``~``.
+Results files never hold absolute paths of the machine they were made on: paths under the model
+cache directory start with ``$NOVAINFER_CACHE`` when that is set, paths inside the repository are
+written relative to it, paths under the home directory start with ``~``.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
 import os
 import platform
@@ -13,7 +17,8 @@ import random
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +32,12 @@ PROMPT_TOKEN_ID_LIMIT = 10000
 
 # ---- paths and the command line -------------------------------------------------------------------
 def scrub_path(text: str) -> str:
-    """Replaces this machine's repository root with ``.`` and its home directory with ``~``."""
+    """Replaces this machine's model cache directory with ``$NOVAINFER_CACHE`` (when that is set), its
+    repository root with ``.`` and its home directory with ``~``."""
     text = str(text)
+    cache = os.environ.get("NOVAINFER_CACHE")
+    if cache:
+        text = text.replace(str(Path(cache).expanduser()), "$NOVAINFER_CACHE")
     root = str(REPO_ROOT)
     if text == root:
         return "."
@@ -40,7 +49,10 @@ def scrub_path(text: str) -> str:
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
-    """The command as typed from the repository root, e.g. ``python benchmarks/throughput.py --num-seqs 8``."""
+    """The command as typed from the repository root, e.g. ``python benchmarks/throughput.py --num-seqs 8``.
+
+    ``argv``: the script's path then its arguments (default: ``sys.argv``).
+    """
     argv = list(sys.argv if argv is None else argv)
     if argv:
         script = Path(argv[0])
@@ -120,22 +132,70 @@ def git_commit() -> str:
 
 
 # ---- the model under test --------------------------------------------------------------------------
-def resolve_model(model: str | None, tiny_config: str | None = None) -> tuple[str, str]:
-    """Returns (model directory, short tag): ``--model DIR`` or the built-in tiny model (with overrides)."""
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Which model (a directory, the tiny model or an architecture preset), on which device, in which dtype."""
+    from benchmarks.architectures import ARCHITECTURES
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory (default: the built-in tiny random Qwen2)")
+    g.add_argument("--tiny-config", default=None,
+                   help='JSON overrides for a tiny model variant, e.g. \'{"hidden_size": 256}\'')
+    g.add_argument("--arch", default=None, choices=sorted(ARCHITECTURES),
+                   help="a real architecture with random bfloat16 weights, built once under the cache directory")
+    g.add_argument("--arch-overrides", default=None,
+                   help='JSON overrides of the --arch preset, e.g. \'{"num_hidden_layers": 2}\' for a quick run')
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+
+
+def _json_object(flag: str, text: str | None) -> dict[str, Any]:
+    value = json.loads(text) if text else {}
+    if not isinstance(value, dict):
+        raise SystemExit(f"{flag} must be a JSON object of config overrides, got {text!r}")
+    return value
+
+
+def resolve_model(model: str | None, tiny_config: str | None = None, arch: str | None = None,
+                  arch_overrides: str | None = None, device: Any = "cpu") -> tuple[str, str]:
+    """Returns (model directory, short tag): ``--model DIR``, an ``--arch`` preset (built on ``device`` if
+    not cached) or the built-in tiny model (with ``--tiny-config`` overrides)."""
     from novainfer.tiny_model import get_tiny_model_dir
 
-    if model and tiny_config:
-        raise SystemExit("--model and --tiny-config exclude each other")
+    chosen = [flag for flag, value in (("--model", model), ("--tiny-config", tiny_config), ("--arch", arch))
+              if value]
+    if len(chosen) > 1:
+        raise SystemExit(f"{' and '.join(chosen)} exclude each other")
+    if arch_overrides and not arch:
+        raise SystemExit("--arch-overrides needs --arch")
     if model:
         path = Path(model).expanduser()
         if not (path / "config.json").is_file():
             raise SystemExit(f"--model {model!r} is not a Hugging Face model directory (no config.json)")
         return str(path), path.resolve().name
-    overrides = json.loads(tiny_config) if tiny_config else {}
-    if not isinstance(overrides, dict):
-        raise SystemExit("--tiny-config must be a JSON object of config overrides")
+    if arch:
+        from benchmarks.architectures import build_model_dir, get_architecture
+
+        overrides = _json_object("--arch-overrides", arch_overrides)
+        try:
+            spec = get_architecture(arch, overrides)
+        except ValueError as exc:
+            raise SystemExit(f"--arch {arch} --arch-overrides {arch_overrides}: {exc}") from exc
+        path = build_model_dir(arch, spec, device)
+        return str(path), arch if not overrides else path.name
+    overrides = _json_object("--tiny-config", tiny_config)
     path = get_tiny_model_dir(**overrides)
     return str(path), "tiny" if not overrides else path.name
+
+
+def resolve_model_args(args: argparse.Namespace, device: Any) -> tuple[str, str, dict[str, Any]]:
+    """(model directory, short tag, :func:`model_summary`) from the flags of :func:`add_model_arguments`."""
+    model_dir, tag = resolve_model(args.model, args.tiny_config, args.arch, args.arch_overrides, device)
+    summary = model_summary(model_dir, _json_object("--tiny-config", args.tiny_config) if args.tiny_config else None)
+    if args.arch:
+        summary = {"preset": args.arch, "preset_overrides": _json_object("--arch-overrides", args.arch_overrides),
+                   **summary}
+    return model_dir, tag, summary
 
 
 def model_summary(model_dir: str, tiny_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -143,7 +203,7 @@ def model_summary(model_dir: str, tiny_overrides: dict[str, Any] | None = None) 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     keys = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-            "tie_word_embeddings", "torch_dtype")
+            "tie_word_embeddings", "torch_dtype", "dtype")
     summary: dict[str, Any] = {"path": scrub_path(str(model_dir))}
     summary.update({k: config[k] for k in keys if k in config})
     if tiny_overrides is not None:
@@ -167,6 +227,79 @@ def _numel(shape: Sequence[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+# ---- the engines under test ------------------------------------------------------------------------
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """NovaInfer's engine arguments that a benchmark sets (vLLM's names)."""
+    g = p.add_argument_group("NovaInfer engine")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=16384, help="most tokens per step")
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may use (weights, activations and KV cache)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs NovaInfer shards the model over (the transformers peer uses one)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments from the flags of :func:`add_model_arguments` and :func:`add_engine_arguments`."""
+    kwargs = {"dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "gpu_memory_utilization": args.gpu_memory_utilization,
+              "tensor_parallel_size": args.tensor_parallel_size}
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    return kwargs
+
+
+def greedy_params(max_tokens: int):
+    """NovaInfer's parameters for one benchmark request: greedy, exactly ``max_tokens`` tokens, no text.
+
+    Prompts are token ids and only the produced tokens are counted, so detokenizing would be work
+    that neither the benchmark nor the peer (which returns token ids) needs.
+    """
+    from novainfer import SamplingParams
+
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
+
+
+@contextmanager
+def transformers_errors_only() -> Iterator[None]:
+    """Silences transformers' warnings, e.g. that -1 (our way to never stop at EOS) is not a real token id."""
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
+def load_transformers_model(model_dir: str, dtype: Any, device: Any, attn_implementation: str | None = None):
+    """The peer's model: transformers ``AutoModelForCausalLM`` on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device).eval()
+
+
+def release_device_memory(device: Any) -> dict[str, float] | None:
+    """Collects garbage and empties the CUDA cache; returns what is still allocated (GiB), ``None`` on CPU.
+
+    The engine that ran first must not keep memory the next one would then lack: transformers'
+    continuous batching sizes its KV cache from the memory this process has not allocated.
+    """
+    import torch
+
+    gc.collect()
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return {"allocated_gib": round(torch.cuda.memory_allocated(device) / 2**30, 3),
+            "reserved_gib": round(torch.cuda.memory_reserved(device) / 2**30, 3)}
 
 
 # ---- the workload ----------------------------------------------------------------------------------
@@ -214,13 +347,23 @@ def make_workload(num_seqs: int, vocab_size: int, min_input: int, max_input: int
 
 
 # ---- results ---------------------------------------------------------------------------------------
-def write_results(name: str, results: dict[str, Any]) -> Path:
-    """Writes ``benchmarks/results/<name>.json`` and returns its path."""
+def add_output_arguments(p: argparse.ArgumentParser, default_name: str) -> None:
+    """Where the results file goes (reduced runs belong outside the repository: ``--results-dir``)."""
+    g = p.add_argument_group("output")
+    g.add_argument("--output", default=None,
+                   help=f"results file name (default: {default_name})")
+    g.add_argument("--results-dir", default=None,
+                   help="directory of the results file (default: benchmarks/results in the repository)")
+
+
+def write_results(name: str, results: dict[str, Any], directory: str | Path | None = None) -> Path:
+    """Writes ``<directory>/<name>.json`` (default directory: ``benchmarks/results``) and returns its path."""
     if not name or os.sep in name or name.startswith("."):
         raise SystemExit(f"--output must be a plain file name, got {name!r}")
     if name.endswith(".json"):
         name = name[: -len(".json")]
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    directory = Path(directory) if directory is not None else RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     return path

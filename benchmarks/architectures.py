@@ -1,0 +1,125 @@
+"""The model shapes the benchmarks run: published Qwen2 configurations with random weights.
+
+A benchmark needs the cost of a real model's forward pass, not its answers, so the weights are
+random and nothing is downloaded. The model directory is written once per machine under the cache
+directory (``$NOVAINFER_CACHE`` or ``~/.cache/novainfer``) and reused: transformers builds
+``Qwen2ForCausalLM(config)`` from a fixed seed on the benchmark's device and saves it with
+``save_pretrained`` in bfloat16, next to the built-in tiny tokenizer (prompts are token ids and
+outputs are not detokenized, so the tokenizer's size does not matter). NovaInfer and the peer load
+the same directory, hence the same weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The config.json fields that decide what a forward pass costs (the rest are Qwen2's defaults)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen2-0.5b": Architecture(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                               intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2-1.5b": Architecture(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                               intermediate_size=8960, vocab_size=151936, tie_word_embeddings=False),
+    # For tensor-parallel runs: 28 query heads and 4 KV heads split over 2 or 4 GPUs.
+    "qwen2-7b": Architecture(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                             intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}
+
+# Bumped when the way a directory is written changes, so that stale cached directories are not reused.
+_FORMAT_VERSION = 1
+
+
+def get_architecture(name: str, overrides: dict[str, Any] | None = None) -> Architecture:
+    """The preset ``name`` with ``overrides`` (e.g. ``{"num_hidden_layers": 2}`` for a quick run) applied."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, got {name!r}")
+    overrides = overrides or {}
+    fields = {f.name for f in dataclasses.fields(Architecture)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"architecture overrides {unknown} are not fields; valid fields are {sorted(fields)}")
+    return dataclasses.replace(ARCHITECTURES[name], **overrides)
+
+
+def _cache_root() -> Path:
+    from novainfer.tiny_model import cache_root
+
+    return cache_root()
+
+
+def model_dir_for(name: str, arch: Architecture, device_type: str, seed: int = 0) -> Path:
+    """Where the directory of this architecture lives; random draws differ between CPU and CUDA, hence the device."""
+    spec = json.dumps({"arch": asdict(arch), "device": device_type, "seed": seed, "format": _FORMAT_VERSION},
+                      sort_keys=True)
+    digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
+    return _cache_root() / f"bench-{name}-{digest}"
+
+
+def build_model_dir(name: str, arch: Architecture, device: Any, seed: int = 0) -> Path:
+    """Returns the model directory of ``arch``, writing it first if it is not cached yet.
+
+    Writing goes to a temporary directory renamed into place, so an interrupted build never leaves
+    a directory that looks complete.
+    """
+    import torch
+
+    device = torch.device(device)
+    target = model_dir_for(name, arch, device.type, seed)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _write_random_model(tmp, arch, device, seed)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_random_model(out_dir: Path, arch: Architecture, device: Any, seed: int) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from novainfer.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer(out_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(**asdict(arch), hidden_act="silu", use_sliding_window=False, bos_token_id=eos,
+                         eos_token_id=eos, dtype="bfloat16")
+    torch.manual_seed(seed)  # seeds the CUDA generators too
+    with torch.device(device):  # initialise on the device: the 7B model takes minutes on a CPU
+        model = Qwen2ForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(str(out_dir))
+    del model
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
