@@ -368,6 +368,10 @@ class TransformersContinuousBatchingRunner:
         # repeat reuse the previous run's prompts (NovaInfer empties its prefix cache before each run).
         options = {"num_blocks": num_blocks, "max_requests_per_batch": args.max_num_seqs, "use_cuda_graph": cuda,
                    "allow_block_sharing": False}
+        if cuda:
+            # At its default 90% the cache leaves too little memory for the manager's own CUDA-graph
+            # capture (an out-of-memory in warm-up); half the GPU still holds the whole workload.
+            options["max_memory_percent"] = 0.5
         if "auto_switch_to_flash" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}:
             options["auto_switch_to_flash"] = False  # newer transformers: keep the attention asked for
         cb_config = ContinuousBatchingConfig(**options)

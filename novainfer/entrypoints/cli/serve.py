@@ -42,6 +42,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     sessions.add_argument("--session-ttl", type=float, default=3600.0,
                           help="seconds an idle chat session is kept")
     serve.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    serve.add_argument("--no-webui", dest="webui", action="store_false", help="do not serve the chat Web UI at /")
     serve.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     cli_args.add_engine_args(serve)
@@ -69,7 +70,8 @@ def server_config_from(ns: argparse.Namespace):
                              retry_after_s=ns.retry_after)
     return ServerConfig(models=specs, host=ns.host, port=ns.port, api_key=ns.api_key or None, limits=limits,
                         max_sessions=ns.max_sessions, session_ttl_s=ns.session_ttl,
-                        log_requests=not ns.disable_log_requests, uvicorn_log_level=ns.uvicorn_log_level)
+                        log_requests=not ns.disable_log_requests, uvicorn_log_level=ns.uvicorn_log_level,
+                        webui=ns.webui)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

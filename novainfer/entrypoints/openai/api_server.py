@@ -3,7 +3,8 @@
     novainfer serve [MODEL ...] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET|DELETE
-/v1/sessions[/{id}], POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /version.
+/v1/sessions[/{id}], POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /version,
+and the chat Web UI at / (unless ``ServerConfig.webui`` is off).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from novainfer.entrypoints.openai.serving_chat import ChatHandler, plain_message
 from novainfer.entrypoints.openai.serving_common import ServerContext
 from novainfer.entrypoints.openai.serving_completion import CompletionHandler
 from novainfer.entrypoints.openai.sessions import Session, SessionStore
+from novainfer.entrypoints.openai.webui import mount_webui
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +187,8 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
     app.state.config = config
     install_exception_handlers(app)
     app.include_router(_routes())
+    if config.webui:
+        mount_webui(app)
     _document_400_not_422(app)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

@@ -21,6 +21,7 @@ class ServerConfig:
     max_body_bytes: int = 32 << 20  # larger request bodies are refused with 413
     uvicorn_log_level: str = "warning"
     graceful_shutdown_s: float = 5.0
+    webui: bool = True  # serve the chat Web UI at /
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
