@@ -37,6 +37,8 @@ class ModelConfig:
     max_model_len: int | None = None
     # Never capture CUDA graphs: every step runs eagerly (for debugging and comparison).
     enforce_eager: bool = False
+    # "torch" or "triton"; None picks the fastest for the device.
+    attention_backend: str | None = None
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -118,11 +120,25 @@ class CacheConfig:
 
 
 _EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+_DISTRIBUTED_BACKENDS = ("nccl", "gloo")
 
 
 @dataclass
 class ParallelConfig:
-    """Seed 000 section 5.1, with vLLM's field names."""
+    """Seed 000 section 5.1, with vLLM's field names.
+
+    Filled in by :func:`normalize_parallel_config`: ``world_size``, ``rank`` and ``local_rank`` (the
+    driver's: 0), ``use_single_process_tp`` (every rank lives in the driver process: ``uni``),
+    ``distributed_backend`` when None and ``tensor_parallel_device_ids`` when None.
+    ``master_port``, ``node_rank`` and ``nnodes`` only matter across nodes (not implemented); on one
+    node ``mp`` meets at ``init_method``, or at a free port of ``master_addr`` when that is empty.
+
+    NovaInfer's additions to vLLM's fields: ``distributed_backend`` (the collective library between
+    worker processes: "nccl" on CUDA, "gloo" on CPU), ``init_method``, ``tp_group_name``,
+    ``use_single_process_tp``, ``tensor_parallel_device_ids`` (the GPU of each rank) and
+    ``enable_vocab_parallel`` (split the embedding and LM head over the vocabulary, seed 000
+    section 7.1.9; off: both are replicated on every rank).
+    """
 
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
@@ -134,46 +150,87 @@ class ParallelConfig:
     world_size: int = 1
     rank: int = 0
     local_rank: int = 0
-    distributed_backend: str = "nccl"
+    distributed_backend: str | None = None
     init_method: str = ""
     tp_group_name: str = "TP0"
     use_single_process_tp: bool = True
     tensor_parallel_device_ids: list[int] | None = None
+    enable_vocab_parallel: bool = False
 
 
-def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
-    """Validates and fills in a ParallelConfig in one place (seed 000 section 5.2)."""
-    if cfg.distributed_executor_backend not in _EXECUTOR_BACKENDS:
-        raise ValueError(f"distributed_executor_backend must be one of {list(_EXECUTOR_BACKENDS)}, "
-                         f"got {cfg.distributed_executor_backend!r}")
-    if isinstance(cfg.tensor_parallel_size, bool) or not isinstance(cfg.tensor_parallel_size, int) \
-            or cfg.tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {cfg.tensor_parallel_size!r}")
-    # Malformed values are reported before features that are not implemented yet.
-    device_ids = cfg.tensor_parallel_device_ids
-    if device_ids is not None:
-        if len(device_ids) != cfg.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_device_ids has {len(device_ids)} entries, "
-                             f"expected tensor_parallel_size={cfg.tensor_parallel_size}")
-        if len(set(device_ids)) != len(device_ids):
-            raise ValueError(f"tensor_parallel_device_ids contains duplicates: {device_ids}")
+def _require_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _device_ids(cfg: ParallelConfig, device: torch.device) -> list[int]:
+    """The validated GPU of each rank; by default consecutive ones from the device's index."""
+    tp = cfg.tensor_parallel_size
+    ids = cfg.tensor_parallel_device_ids
+    if ids is None:
+        first = device.index or 0
+        ids = list(range(first, first + tp))
+    else:
+        if not isinstance(ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise ValueError(f"tensor_parallel_device_ids must be a list of integers, got {ids!r}")
+        ids = list(ids)
+        if len(ids) != tp:
+            raise ValueError(f"tensor_parallel_device_ids has {len(ids)} entries ({ids}), expected "
+                             f"tensor_parallel_size={tp}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"tensor_parallel_device_ids contains duplicates: {ids}; every rank needs its own device")
+        if min(ids) < 0:
+            raise ValueError(f"tensor_parallel_device_ids must be >= 0, got {ids}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        beyond = [i for i in ids if i >= count]
+        if beyond:
+            raise ValueError(f"tensor_parallel_device_ids {ids} name CUDA device(s) {beyond}, but {count} "
+                             f"are visible (valid ids: 0..{count - 1}); lower tensor_parallel_size or pass "
+                             f"tensor_parallel_device_ids")
+    return ids
+
+
+def normalize_parallel_config(cfg: ParallelConfig, device: torch.device | None = None) -> ParallelConfig:
+    """Validates and fills in a ParallelConfig in one place (seed 000 section 5.2).
+
+    ``device`` is the engine's device (default: what "auto" resolves to); it picks the collective
+    library and bounds the device ids. Malformed values raise ``ValueError`` before features
+    that are not implemented raise ``NotImplementedError``.
+    """
+    device = device if device is not None else resolve_device("auto")
+    backend = cfg.distributed_executor_backend
+    if backend not in _EXECUTOR_BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be one of {list(_EXECUTOR_BACKENDS)}, got {backend!r}")
+    _require_int("tensor_parallel_size", cfg.tensor_parallel_size, 1)
+    _require_int("pipeline_parallel_size", cfg.pipeline_parallel_size, 1)
+    _require_int("nnodes", cfg.nnodes, 1)
+    _require_int("node_rank", cfg.node_rank, 0, cfg.nnodes - 1)
+    _require_int("master_port", cfg.master_port, 1, 65535)
+    if not isinstance(cfg.master_addr, str) or not cfg.master_addr:
+        raise ValueError(f"master_addr must be a non-empty host name or address, got {cfg.master_addr!r}")
+    if not isinstance(cfg.tp_group_name, str) or not cfg.tp_group_name:
+        raise ValueError(f"tp_group_name must be a non-empty string, got {cfg.tp_group_name!r}")
+    cfg.tensor_parallel_device_ids = _device_ids(cfg, device)
+    if cfg.distributed_backend is None:
+        cfg.distributed_backend = "nccl" if device.type == "cuda" else "gloo"
+    elif cfg.distributed_backend not in _DISTRIBUTED_BACKENDS:
+        raise ValueError(f"distributed_backend must be one of {list(_DISTRIBUTED_BACKENDS)} (or None: by device), "
+                         f"got {cfg.distributed_backend!r}")
+    elif cfg.distributed_backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"distributed_backend='nccl' needs CUDA devices, but the device is {device}; use 'gloo'")
     if cfg.pipeline_parallel_size != 1:
         raise NotImplementedError(f"pipeline_parallel_size must be 1 (pipeline parallelism is not implemented), "
                                   f"got {cfg.pipeline_parallel_size}")
     if cfg.nnodes != 1:
         raise NotImplementedError(f"nnodes must be 1 (multi-node is not implemented), got {cfg.nnodes}")
-    if cfg.distributed_executor_backend != "uni":
-        raise NotImplementedError(f"distributed_executor_backend={cfg.distributed_executor_backend!r} is not "
-                                  f"implemented yet; use 'uni'")
-    if cfg.tensor_parallel_size > 1:
-        raise NotImplementedError(f"tensor_parallel_size={cfg.tensor_parallel_size} is not supported yet; "
-                                  f"tensor parallelism needs tensor_parallel_size=1 in this release")
+    if backend == "ray":
+        raise NotImplementedError("distributed_executor_backend='ray' is not implemented; use 'uni' or 'mp'")
     cfg.world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     cfg.rank = 0
     cfg.local_rank = 0
-    if cfg.tensor_parallel_device_ids is None:
-        cfg.tensor_parallel_device_ids = list(range(cfg.tensor_parallel_size))
-    cfg.use_single_process_tp = cfg.distributed_executor_backend == "uni"
+    cfg.use_single_process_tp = backend == "uni"
     return cfg
 
 

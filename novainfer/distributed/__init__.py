@@ -1,19 +1,30 @@
-from novainfer.distributed.parallel_state import get_tp_group, single_rank_group, tp_group_context
+from novainfer.distributed.factory import ProcessGroupFactory
+from novainfer.distributed.parallel_state import (
+    get_tp_group,
+    get_vocab_parallel_group,
+    init_tensor_parallel_group,
+    single_rank_group,
+    tp_group_context,
+)
 from novainfer.distributed.process_group import (
-    CompletedWork,
+    CollectiveAbortedError,
     ProcessGroup,
     ReduceOpType,
     SingleRankProcessGroup,
-    Work,
 )
+from novainfer.distributed.work import CompletedWork, Work
 
 __all__ = [
+    "CollectiveAbortedError",
     "CompletedWork",
     "ProcessGroup",
+    "ProcessGroupFactory",
     "ReduceOpType",
     "SingleRankProcessGroup",
     "Work",
     "get_tp_group",
+    "get_vocab_parallel_group",
+    "init_tensor_parallel_group",
     "single_rank_group",
     "tp_group_context",
 ]

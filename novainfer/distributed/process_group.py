@@ -2,14 +2,26 @@
 
 Names follow InfiniTrain (seed 000, sections 2.2 and 3.2) in Python form: ``ReduceOpType`` with
 ``kSum``..``kAvg``, a ``ProcessGroup`` whose collectives optionally return a ``Work`` handle.
+Implementations: :mod:`.in_process` (ranks as threads of one process, CPU),
+:mod:`.cupy_nccl` (ranks as threads driving several GPUs of one process) and
+:mod:`.torch_distributed` (one rank per process, NCCL or Gloo).
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+from novainfer.distributed.work import CompletedWork, Work
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ReduceOpType(enum.Enum):
@@ -20,47 +32,16 @@ class ReduceOpType(enum.Enum):
     kAvg = "avg"
 
 
-class Work(ABC):
-    """Handle of an asynchronous collective."""
-
-    @abstractmethod
-    def wait(self, timeout: float | None = None) -> bool: ...
-
-    @abstractmethod
-    def is_completed(self) -> bool: ...
-
-    @abstractmethod
-    def is_success(self) -> bool: ...
-
-    @abstractmethod
-    def synchronize(self) -> None: ...
-
-    @abstractmethod
-    def exception(self) -> BaseException | None: ...
+def average_in_place(total: torch.Tensor, world_size: int) -> None:
+    """Turns a sum over ``world_size`` ranks into their average (integer division truncates)."""
+    if total.is_floating_point():
+        total.div_(world_size)
+    else:
+        total.div_(world_size, rounding_mode="trunc")
 
 
-class CompletedWork(Work):
-    """A ``Work`` for a collective that already finished when it was issued."""
-
-    def __init__(self, error: BaseException | None = None) -> None:
-        self._error = error
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return self._error is None
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def exception(self) -> BaseException | None:
-        return self._error
+class CollectiveAbortedError(RuntimeError):
+    """A collective gave up because its group was aborted (another rank failed) or timed out."""
 
 
 class ProcessGroup(ABC):
@@ -68,10 +49,12 @@ class ProcessGroup(ABC):
 
     ``rank`` is this member's rank inside the group and ``world_size`` the group's size.
     Every collective works in place on ``tensor`` (or fills ``output``) and returns a ``Work``
-    when ``async_op`` is true, ``None`` otherwise.
+    when ``async_op`` is true, ``None`` otherwise. On CUDA no collective synchronises the host,
+    so that CUDA graphs can capture them.
     """
 
-    def __init__(self, name: str, rank: int, world_size: int, ranks: list[int] | None = None) -> None:
+    def __init__(self, name: str, rank: int, world_size: int, ranks: list[int] | None = None,
+                 device: torch.device | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
@@ -80,6 +63,7 @@ class ProcessGroup(ABC):
         self.rank = rank
         self.world_size = world_size
         self.ranks = list(ranks) if ranks is not None else list(range(world_size))
+        self.device = device if device is not None else torch.device("cpu")
 
     def get_group_rank(self, global_rank: int) -> int:
         """Rank inside this group of the process whose global rank is ``global_rank``."""
@@ -110,6 +94,24 @@ class ProcessGroup(ABC):
 
     @abstractmethod
     def recv(self, tensor: torch.Tensor, src: int) -> None: ...
+
+    def abort(self) -> None:
+        """Makes collectives that wait for other ranks fail now instead of waiting (a rank failed)."""
+
+    def shutdown(self) -> None:
+        """Releases the group's communication resources."""
+
+    def _run_collective(self, op: str, fn: Callable[[], T]) -> T:
+        """Runs one collective; a failure is logged with op, group, rank and device, then re-raised."""
+        try:
+            return fn()
+        except Exception as exc:
+            self.log_failure(op, exc)
+            raise
+
+    def log_failure(self, op: str, exc: BaseException) -> None:
+        logger.error("collective %s failed: group=%s rank=%d world_size=%d device=%s: %s: %s",
+                     op, self.name, self.rank, self.world_size, self.device, type(exc).__name__, exc)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, world_size={self.world_size})"

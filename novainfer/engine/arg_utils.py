@@ -27,8 +27,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    attention_backend: str | None = None  # "torch" or "triton"; default: the fastest for the device
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str = "uni"  # "uni" (ranks as threads of this process) or "mp"
+    tensor_parallel_device_ids: list[int] | None = None  # the GPU of each rank; default 0..tp-1
+    enable_vocab_parallel: bool = False  # split the embedding and LM head over the vocabulary
     log_stats_interval: float = 5.0
 
     @classmethod
@@ -46,7 +49,8 @@ class EngineArgs:
         model = self.model or str(get_tiny_model_dir())
         device = resolve_device(self.device)
         model_config = ModelConfig(model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
-                                   max_model_len=self.max_model_len, enforce_eager=self.enforce_eager)
+                                   max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
+                                   attention_backend=self.attention_backend)
         cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                                    num_gpu_blocks_override=self.num_gpu_blocks_override,
                                    kv_cache_memory_bytes=self.kv_cache_memory_bytes,
@@ -56,7 +60,9 @@ class EngineArgs:
                                            max_model_len=model_config.max_model_len)
         parallel_config = normalize_parallel_config(ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend))
+            distributed_executor_backend=self.distributed_executor_backend,
+            tensor_parallel_device_ids=self.tensor_parallel_device_ids,
+            enable_vocab_parallel=self.enable_vocab_parallel), device)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device)
 
     def replace(self, **changes: Any) -> EngineArgs:

@@ -1,3 +1,3 @@
-from novainfer.executor.abstract import Executor, WorkerError
+from novainfer.executor.abstract import Executor, ExecutorTimeoutError, WorkerError
 
-__all__ = ["Executor", "WorkerError"]
+__all__ = ["Executor", "ExecutorTimeoutError", "WorkerError"]

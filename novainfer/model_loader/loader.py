@@ -83,15 +83,18 @@ def _load_plain(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     param.data.copy_(tensor.to(param.dtype))
 
 
-def build_model(hf_config, dtype: torch.dtype, device: torch.device, *, vocab_parallel: bool = False) -> nn.Module:
-    """Instantiates the registered class for ``hf_config.architectures`` (parameters uninitialised)."""
+def build_model(hf_config, dtype: torch.dtype, device: torch.device, *,
+                vocab_parallel: bool | None = None) -> nn.Module:
+    """Instantiates the registered class for ``hf_config.architectures`` (parameters uninitialised).
+
+    ``vocab_parallel=None`` leaves the choice to the enclosing ``tp_group_context``."""
     model_cls, _ = ModelRegistry.resolve(getattr(hf_config, "architectures", None))
     with torch.device(device):
         return model_cls(hf_config, dtype, vocab_parallel=vocab_parallel)
 
 
 def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: torch.device, *,
-               vocab_parallel: bool = False) -> nn.Module:
+               vocab_parallel: bool | None = None) -> nn.Module:
     model = build_model(hf_config, dtype, device, vocab_parallel=vocab_parallel)
     load_weights(model, iterate_weights(model_dir))
     return model.eval()

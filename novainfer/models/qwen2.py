@@ -10,13 +10,32 @@ import torch
 from torch import nn
 
 from novainfer.attention import Attention, AttentionMetadata
-from novainfer.distributed import get_tp_group, single_rank_group
+from novainfer.distributed import ProcessGroup, get_tp_group, get_vocab_parallel_group
 from novainfer.layers.activation import SiluAndMul
 from novainfer.layers.layernorm import RMSNorm
 from novainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from novainfer.layers.rotary_embedding import RotaryEmbedding
 from novainfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from novainfer.models.config_utils import get_head_dim, get_rope_theta
+
+
+def check_tensor_parallel_shapes(config, tp_group: ProcessGroup) -> None:
+    """Fails at start-up unless every rank gets whole heads and intermediate columns (seed 000 7.4.6).
+
+    KV heads are split, never replicated (section 7.4.2): ``num_key_value_heads`` must divide too.
+    """
+    tp_size = tp_group.world_size
+    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+             "intermediate_size": config.intermediate_size}
+    bad = [f"{name}={value}" for name, value in sizes.items() if value % tp_size]
+    if bad:
+        device = tp_group.device
+        global_nkvh = config.num_key_value_heads
+        raise ValueError(
+            f"Qwen2 cannot be split over tensor_parallel_size={tp_size}: {', '.join(bad)} must be a multiple of it "
+            f"(KV heads are split across ranks, never replicated) (tp_size={tp_size}, tp_rank={tp_group.rank}, "
+            f"global_nkvh={global_nkvh}, local_nkvh={global_nkvh / tp_size:g}, "
+            f"device_id={device.index if device.type == 'cuda' else device.type})")
 
 
 class Qwen2Attention(nn.Module):
@@ -82,9 +101,9 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, vocab_parallel: bool, prefix: str = "model") -> None:
+    def __init__(self, config, dtype: torch.dtype, vocab_parallel: bool | None, prefix: str = "model") -> None:
         super().__init__()
-        vocab_group = get_tp_group() if vocab_parallel else single_rank_group()
+        vocab_group = get_vocab_parallel_group(vocab_parallel)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype,
                                                    tp_group=vocab_group, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
@@ -112,13 +131,16 @@ class Qwen2ForCausalLM(nn.Module):
     # Checkpoint tensors that are derived, not parameters.
     ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",)
 
-    def __init__(self, config, dtype: torch.dtype, vocab_parallel: bool = False) -> None:
+    def __init__(self, config, dtype: torch.dtype, vocab_parallel: bool | None = None) -> None:
+        """``vocab_parallel``: split the embedding and LM head over the tensor-parallel group
+        (None: as the enclosing ``tp_group_context`` says; replicated by default)."""
         super().__init__()
         if getattr(config, "use_sliding_window", False):
             raise NotImplementedError("Qwen2 with use_sliding_window=True is not supported")
+        check_tensor_parallel_shapes(config, get_tp_group())
         self.config = config
         self.model = Qwen2Model(config, dtype, vocab_parallel)
-        vocab_group = get_tp_group() if vocab_parallel else single_rank_group()
+        vocab_group = get_vocab_parallel_group(vocab_parallel)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=dtype,
                                       tp_group=vocab_group, prefix="lm_head")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

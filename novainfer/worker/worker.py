@@ -1,17 +1,64 @@
-"""A Worker owns one device: it loads the model, sizes and holds the KV cache, runs steps."""
+"""A Worker owns one device: it joins its tensor-parallel group, loads its shard of the model,
+sizes and holds its part of the KV cache, and runs steps.
+
+Every rank runs every step on the same input; the tensor-parallel algorithm lives in the model's
+layers only. Rank 0's result is the one the executor returns.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from novainfer.config import EngineConfig
 from novainfer.core.sched.output import SchedulerOutput
+from novainfer.distributed import (
+    ProcessGroup,
+    ProcessGroupFactory,
+    init_tensor_parallel_group,
+    single_rank_group,
+    tp_group_context,
+)
+from novainfer.sample import SamplerOutput
 from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput, SequenceInput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerInfo:
+    """Who a worker is, for the start-up log (seed 000 section 11.3: rank mapping at a glance)."""
+
+    pid: int
+    rank: int
+    local_rank: int
+    device: str
+
+
+class Rank0Sampler(nn.Module):
+    """Samples, then makes every rank keep rank 0's tokens.
+
+    Ranks compute identical logits, but random draws can differ between ranks (ranks that are
+    threads of one process share the CPU generator); a rank that kept a different token would
+    feed it back next step and corrupt the all-reduced activations of every rank.
+    """
+
+    def __init__(self, sampler: nn.Module, tp_group: ProcessGroup) -> None:
+        super().__init__()
+        self.sampler = sampler
+        self.tp_group = tp_group
+
+    def forward(self, *args, **kwargs) -> SamplerOutput:
+        out = self.sampler(*args, **kwargs)
+        self.tp_group.broadcast(out.sampled_token_ids, src=0)
+        return out
 
 
 class Worker:
@@ -23,21 +70,36 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.is_driver_worker = is_driver_worker
         self.device: torch.device | None = None
+        self.tp_group: ProcessGroup = single_rank_group()
         self.model_runner: ModelRunner | None = None
+        self.num_steps = 0
 
-    def init_device(self) -> None:
+    def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs the method named ``method``, or ``method(self, *args, **kwargs)`` for a function
+        (what an executor's ``collective_rpc`` runs on every rank)."""
+        if isinstance(method, str):
+            return getattr(self, method)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    def init_device(self) -> WorkerInfo:
+        """Binds this rank's device (``tensor_parallel_device_ids[local_rank]``) and joins the TP group."""
+        parallel = self.config.parallel_config
         device = self.config.device
         if device.type == "cuda":
-            device_ids = self.config.parallel_config.tensor_parallel_device_ids or [0]
-            device = torch.device("cuda", device_ids[self.local_rank])
+            device = torch.device("cuda", parallel.tensor_parallel_device_ids[self.local_rank])
             torch.cuda.set_device(device)
         self.device = device
         torch.manual_seed(self.config.model_config.seed)
-        logger.info("worker pid=%d rank=%d local_rank=%d device=%s", os.getpid(), self.rank, self.local_rank, device)
+        self.tp_group = init_tensor_parallel_group(parallel, self.rank, device, self.distributed_init_method or "")
+        return WorkerInfo(os.getpid(), self.rank, self.local_rank, str(device))
 
     def load_model(self) -> None:
-        self.model_runner = ModelRunner(self.config.model_config, self.config.cache_config, self.device)
-        self.model_runner.load_model()
+        """Builds and loads this rank's shard of the model (only its heads, KV heads and columns)."""
+        with tp_group_context(self.tp_group, vocab_parallel=self.config.parallel_config.enable_vocab_parallel):
+            self.model_runner = ModelRunner(self.config.model_config, self.config.cache_config, self.device)
+            self.model_runner.load_model()
+        if self.tp_group.world_size > 1:
+            self.model_runner.sampler = Rank0Sampler(self.model_runner.sampler, self.tp_group)
 
     def profile(self) -> int:
         """Peak bytes a full-budget forward step needs on the device, besides the KV cache (CUDA only)."""
@@ -61,6 +123,7 @@ class Worker:
         return peak
 
     def determine_num_available_blocks(self) -> int:
+        """KV blocks this rank can hold; a block stores only this rank's KV heads (1/tp of them)."""
         cache = self.config.cache_config
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
@@ -87,10 +150,25 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
+        sched = self.config.scheduler_config
+        self.model_runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        started = time.perf_counter()
+        output = self.model_runner.execute_model(scheduler_output)
+        self.num_steps += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("worker step %d: rank=%d num_tokens=%d step_ms=%.2f", self.num_steps, self.rank,
+                         scheduler_output.total_num_scheduled_tokens, 1e3 * (time.perf_counter() - started))
+        return output
 
     def check_health(self) -> None:
         if self.model_runner is None or self.model_runner.model is None:
             raise RuntimeError(f"worker rank={self.rank} local_rank={self.local_rank} has no model loaded")
+
+    def shutdown(self) -> None:
+        """Leaves the TP group and drops the model and its KV cache."""
+        if self.tp_group.world_size > 1:
+            ProcessGroupFactory.instance().destroy(self.tp_group)
+            self.tp_group = single_rank_group()
+        self.model_runner = None
