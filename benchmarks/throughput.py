@@ -357,21 +357,15 @@ class TransformersContinuousBatchingRunner:
         # Greedy, and an EOS id no token has: every request runs to its own max_new_tokens.
         generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
                                              max_new_tokens=max(workload.output_lens))
-        # On CUDA the manager sizes its KV cache from free memory (90%, as NovaInfer's
-        # gpu_memory_utilization). On CPU that default is 60% of RAM, slow to allocate: there, a
-        # cache that holds every request of the workload at once.
-        num_blocks = None
-        if not cuda:
-            page = _tokens_per_block(ContinuousBatchingConfig())
-            num_blocks = sum(-(-(len(p) + n) // page) for p, n in zip(workload.prompts, workload.output_lens)) + 2
+        # A cache that holds every request of the workload at once, so the peer never preempts. Not
+        # its default (a share of free memory): its paged sdpa path expands the KV heads of the whole
+        # cache in every layer, which at 90% of an H200 runs out of memory in warm-up.
+        page = _tokens_per_block(ContinuousBatchingConfig())
+        num_blocks = sum(-(-(len(p) + n) // page) for p, n in zip(workload.prompts, workload.output_lens)) + 2
         # No block sharing (prefix caching): the random prompts share no prefix, so it could only let a
         # repeat reuse the previous run's prompts (NovaInfer empties its prefix cache before each run).
         options = {"num_blocks": num_blocks, "max_requests_per_batch": args.max_num_seqs, "use_cuda_graph": cuda,
                    "allow_block_sharing": False}
-        if cuda:
-            # At its default 90% the cache leaves too little memory for the manager's own CUDA-graph
-            # capture (an out-of-memory in warm-up); half the GPU still holds the whole workload.
-            options["max_memory_percent"] = 0.5
         if "auto_switch_to_flash" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}:
             options["auto_switch_to_flash"] = False  # newer transformers: keep the attention asked for
         cb_config = ContinuousBatchingConfig(**options)
