@@ -115,7 +115,14 @@ def load_average() -> list[float] | None:
 
 
 def git_commit() -> str:
-    """``git rev-parse --short HEAD``, with ``-dirty`` when tracked or untracked files differ from it."""
+    """``git rev-parse --short HEAD``, with ``-dirty`` when tracked or untracked files differ from it.
+
+    ``NOVAINFER_COMMIT`` overrides it, for a copy of the tree whose git metadata is not the tree's
+    own (e.g. the files were copied to a benchmark machine without their history).
+    """
+    if os.environ.get("NOVAINFER_COMMIT"):
+        return os.environ["NOVAINFER_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                               check=True, timeout=30).stdout.strip()
@@ -240,6 +247,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory the engine may use (weights, activations and KV cache)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs NovaInfer shards the model over (the transformers peer uses one)")
+    g.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
+                   help="uni: every rank a thread of this process; mp: a process per rank")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,7 +256,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {"dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "gpu_memory_utilization": args.gpu_memory_utilization,
-              "tensor_parallel_size": args.tensor_parallel_size}
+              "tensor_parallel_size": args.tensor_parallel_size,
+              "distributed_executor_backend": args.distributed_executor_backend}
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     return kwargs
