@@ -25,13 +25,36 @@ _NCCL_OPS = {ReduceOpType.kSum: 0, ReduceOpType.kProd: 1, ReduceOpType.kMax: 2, 
              ReduceOpType.kAvg: 4}
 
 
-def _import_nccl():
+def _import_cupy():
     try:
+        import cupy
         from cupy.cuda import nccl
     except ImportError as exc:
         raise RuntimeError("distributed_executor_backend='uni' with tensor_parallel_size > 1 on CUDA needs CuPy "
                            "with NCCL (pip install cupy-cuda12x); or use distributed_executor_backend='mp'") from exc
-    return nccl
+    return cupy, nccl
+
+
+def _init_communicators(devices: list[int]) -> list:
+    """One communicator per device, each an object of its own.
+
+    ``NcclCommunicator.initAll`` would give one object that switches between devices through a
+    shared "current communicator", which threads driving different ranks cannot share. Instead
+    one thread creates every rank's communicator inside an NCCL group, the pattern NCCL documents
+    for initialising several devices from one thread (each ncclCommInitRank would otherwise wait
+    for the others).
+    """
+    cupy, nccl = _import_cupy()
+    unique_id = nccl.get_unique_id()
+    comms = []
+    nccl.groupStart()
+    try:
+        for rank, device in enumerate(devices):
+            with cupy.cuda.Device(device):
+                comms.append(nccl.NcclCommunicator(len(devices), unique_id, rank))
+    finally:
+        nccl.groupEnd()
+    return comms
 
 
 class CupyNcclProcessGroup(ProcessGroup):
@@ -42,14 +65,14 @@ class CupyNcclProcessGroup(ProcessGroup):
         super().__init__(name, rank, world_size, device=device)
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"group {name!r}: an NCCL rank needs a CUDA device with an index, got {device}")
-        nccl = _import_nccl()
+        _import_cupy()  # fail early, on every rank, when CuPy is missing
         devices = rendezvous.exchange(rank, device.index, list)
         if len(set(devices)) != len(devices):
             raise ValueError(f"group {name!r}: every rank needs its own GPU, got devices {devices}")
         comms = None
         if rank == 0:
             try:
-                comms = nccl.NcclCommunicator.initAll(devices)
+                comms = _init_communicators(devices)
             except BaseException:
                 rendezvous.abort()  # the other ranks wait for these communicators
                 raise
