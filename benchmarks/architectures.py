@@ -15,9 +15,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -80,29 +77,14 @@ def model_dir_for(name: str, arch: Architecture, device_type: str, seed: int = 0
 
 
 def build_model_dir(name: str, arch: Architecture, device: Any, seed: int = 0) -> Path:
-    """Returns the model directory of ``arch``, writing it first if it is not cached yet.
-
-    Writing goes to a temporary directory renamed into place, so an interrupted build never leaves
-    a directory that looks complete.
-    """
+    """Returns the model directory of ``arch``, writing it first if it is not cached yet."""
     import torch
 
+    from novainfer.tiny_model import write_once
+
     device = torch.device(device)
-    target = model_dir_for(name, arch, device.type, seed)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        _write_random_model(tmp, arch, device, seed)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_once(model_dir_for(name, arch, device.type, seed),
+                      lambda tmp: _write_random_model(tmp, arch, device, seed))
 
 
 def _write_random_model(out_dir: Path, arch: Architecture, device: Any, seed: int) -> None:

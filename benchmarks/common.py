@@ -17,6 +17,7 @@ import random
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -364,6 +365,17 @@ def add_output_arguments(p: argparse.ArgumentParser, default_name: str) -> None:
                    help=f"results file name (default: {default_name})")
     g.add_argument("--results-dir", default=None,
                    help="directory of the results file (default: benchmarks/results in the repository)")
+
+
+def run_facts(device: Any, load_at_start: list[float] | None, argv: Sequence[str] | None,
+              script: str) -> dict[str, Any]:
+    """What every results file records about its run: machine, GPU, commit, command, time."""
+    machine = machine_info(device)
+    return {"gpu": machine.get("gpu"),
+            "machine": {**machine, "load_average_1_5_15m": {"start": load_at_start, "end": load_average()}},
+            "commit": git_commit(),
+            "command": command_line(None if argv is None else [script, *argv]),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def write_results(name: str, results: dict[str, Any], directory: str | Path | None = None) -> Path:

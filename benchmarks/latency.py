@@ -38,9 +38,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
 
 from transformers.generation.streamers import BaseStreamer
 
-from benchmarks.common import add_engine_arguments, add_model_arguments, add_output_arguments, command_line, \
-    engine_kwargs, git_commit, greedy_params, load_average, load_transformers_model, machine_info, make_workload, \
-    release_device_memory, resolve_model_args, scrub_path, transformers_errors_only, write_results
+from benchmarks.common import add_engine_arguments, add_model_arguments, add_output_arguments, \
+    engine_kwargs, greedy_params, load_average, load_transformers_model, make_workload, release_device_memory, \
+    resolve_model_args, run_facts, scrub_path, transformers_errors_only, write_results
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -245,10 +245,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"TPOT speedup NovaInfer vs transformers: {ratio:.2f}x (greedy outputs identical: "
               f"{peer_result['greedy_outputs_identical']})")
 
-    machine = machine_info(device)
+    facts = run_facts(device, load_at_start, argv, __file__)
     results = {
         "benchmark": "single-stream decode latency (batch 1)",
-        "gpu": machine.get("gpu"),
+        "gpu": facts.pop("gpu"),
         "model": summary,
         "engine": "novainfer",
         "tpot_ms": nova_result["tpot_ms"],
@@ -256,16 +256,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peer_tpot_ms": peer_result["tpot_ms"] if peer_result else None,
         "ratio": ratio,
         "ratio_definition": "median transformers TPOT / median NovaInfer TPOT (> 1: NovaInfer decodes faster)",
-        "machine": {**machine, "load_average_1_5_15m": {"start": load_at_start, "end": load_average()}},
-        "commit": git_commit(),
-        "command": command_line(None if argv is None else [__file__, *argv]),
+        **facts,
         "workload": {"batch_size": 1, "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
                      "warmup_runs": args.warmup, "ignore_eos": True, "greedy": True,
                      "tpot": "(total - TTFT) / (output_len - 1)"},
         "novainfer": nova_result,
         "device_memory_after_novainfer_shutdown": memory_left,
         "peer": peer_result,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     path = write_results(name, results, args.results_dir)
     print(f"results: {scrub_path(str(path))}")

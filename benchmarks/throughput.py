@@ -52,8 +52,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Workload, add_engine_arguments, add_model_arguments, add_output_arguments, \
-    command_line, engine_kwargs, git_commit, greedy_params, load_average, load_transformers_model, machine_info, \
-    make_workload, release_device_memory, resolve_model_args, scrub_path, transformers_errors_only, write_results
+    engine_kwargs, greedy_params, load_average, load_transformers_model, make_workload, release_device_memory, \
+    resolve_model_args, run_facts, scrub_path, transformers_errors_only, write_results
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -539,10 +539,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile:
         print_profile(nova_result["profile"]["step_breakdown"], nova_result["profile"]["decode_profile"])
 
-    machine = machine_info(device)
+    facts = run_facts(device, load_at_start, argv, __file__)
     results = {
         "benchmark": "throughput (offline, nano-vllm shape)",
-        "gpu": machine.get("gpu"),
+        "gpu": facts.pop("gpu"),
         "model": summary,
         "engine": "novainfer",
         "output_tokens_per_s": nova_result["output_tokens_per_s"],
@@ -550,14 +550,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peer_output_tokens_per_s": peer_result["output_tokens_per_s"] if peer_result else None,
         "ratio": ratio,
         "ratio_definition": "median-run NovaInfer output tokens/s / median-run peer output tokens/s",
-        "machine": {**machine, "load_average_1_5_15m": {"start": load_at_start, "end": load_average()}},
-        "commit": git_commit(),
-        "command": command_line(None if argv is None else [__file__, *argv]),
+        **facts,
         "workload": workload.describe(),
         "novainfer": nova_result,
         "device_memory_after_novainfer_shutdown": memory_left,
         "peer": peer_result,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     path = write_results(name, results, args.results_dir)
     print(f"results: {scrub_path(str(path))}")

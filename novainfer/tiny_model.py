@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -197,16 +198,24 @@ def get_tiny_model_dir(**overrides: Any) -> Path:
     spec = json.dumps({"config": TINY_QWEN2_CONFIG, "overrides": overrides, "vocab": TOKENIZER_VOCAB_SIZE,
                        "format": 1}, sort_keys=True, default=str)
     digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
-    target = cache_root() / f"tiny-qwen2-{digest}"
+    return write_once(cache_root() / f"tiny-qwen2-{digest}", lambda tmp: write_random_qwen2(tmp, **overrides))
+
+
+def write_once(target: Path, write: Callable[[Path], object]) -> Path:
+    """``target``, first filled by ``write(directory)`` unless it already holds a ``config.json``.
+
+    Writing goes to a temporary directory that is renamed into place, so concurrent callers never
+    see a half-written model and an interrupted write leaves nothing that looks complete.
+    """
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_random_qwen2(tmp, **overrides)
+        write(tmp)
         try:
             os.rename(tmp, target)
-        except OSError:
+        except OSError:  # another caller finished first
             if not (target / "config.json").is_file():
                 raise
     finally:
