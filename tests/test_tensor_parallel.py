@@ -47,8 +47,8 @@ PROMPT_LENGTHS = (3, 17, 41, 7)
 
 
 # ---- the in-process group against PyTorch --------------------------------------------------------
-def rank_input(rank: int) -> torch.Tensor:
-    return torch.randn(6, 5, generator=torch.Generator().manual_seed(100 + rank))
+def rank_input(rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.randn(6, 5, generator=torch.Generator().manual_seed(100 + rank)).to(device)
 
 
 REDUCTIONS = {
@@ -62,9 +62,9 @@ REDUCTIONS = {
 
 def check_collectives(group: ProcessGroup, async_op: bool) -> torch.Tensor:
     """Runs every collective on ``group`` (called by every rank at once) and checks the results
-    against PyTorch on all ranks' inputs. Returns this rank's all-reduced sum."""
-    world, rank = group.world_size, group.rank
-    inputs = torch.stack([rank_input(r) for r in range(world)])
+    against PyTorch on all ranks' inputs, on the group's device. Returns this rank's all-reduced sum."""
+    world, rank, device = group.world_size, group.rank, group.device
+    inputs = torch.stack([rank_input(r, device) for r in range(world)])
 
     def run(issue) -> None:
         work = issue()
@@ -77,48 +77,60 @@ def check_collectives(group: ProcessGroup, async_op: bool) -> torch.Tensor:
 
     reduced_sum = None
     for op, reference in REDUCTIONS.items():
-        tensor = rank_input(rank)
+        tensor = rank_input(rank, device)
         run(lambda: group.all_reduce(tensor, op, async_op=async_op))
         torch.testing.assert_close(tensor, reference(inputs), rtol=1e-5, atol=1e-6, msg=f"all_reduce {op}")
         if op is ReduceOpType.kSum:
             reduced_sum = tensor
-    counts = torch.arange(4) * (rank + 1)
+    counts = torch.arange(4, device=device) * (rank + 1)
     run(lambda: group.all_reduce(counts, async_op=async_op))
-    assert torch.equal(counts, torch.arange(4) * sum(range(1, world + 1)))
+    assert torch.equal(counts, torch.arange(4, device=device) * sum(range(1, world + 1)))
 
-    gathered = torch.empty(world * 6, 5)
-    run(lambda: group.all_gather(gathered, rank_input(rank), async_op=async_op))
+    gathered = torch.empty(world * 6, 5, device=device)
+    run(lambda: group.all_gather(gathered, rank_input(rank, device), async_op=async_op))
     assert torch.equal(gathered, inputs.reshape(-1, 5))
 
-    scattered = torch.empty(6 // world, 5)
-    run(lambda: group.reduce_scatter(scattered, rank_input(rank), ReduceOpType.kSum, async_op=async_op))
+    scattered = torch.empty(6 // world, 5, device=device)
+    run(lambda: group.reduce_scatter(scattered, rank_input(rank, device), ReduceOpType.kSum, async_op=async_op))
     torch.testing.assert_close(scattered, inputs.sum(0).chunk(world)[rank], rtol=1e-5, atol=1e-6)
 
-    tensor = rank_input(rank)
+    tensor = rank_input(rank, device)
     run(lambda: group.broadcast(tensor, src=world - 1, async_op=async_op))
     assert torch.equal(tensor, inputs[world - 1])
 
     if not async_op:  # a ring of point-to-point messages; even ranks send first
-        received = torch.empty(6, 5)
+        received = torch.empty(6, 5, device=device)
         dst, src = (rank + 1) % world, (rank - 1) % world
         if rank % 2 == 0:
-            group.send(rank_input(rank), dst)
+            group.send(rank_input(rank, device), dst)
             group.recv(received, src)
         else:
             group.recv(received, src)
-            group.send(rank_input(rank), dst)
+            group.send(rank_input(rank, device), dst)
         assert torch.equal(received, inputs[src])
     return reduced_sum
 
 
-def run_thread_ranks(world: int, fn, timeout_s: float = 60.0, name: str = "test") -> list:
-    """Runs ``fn(group)`` on ``world`` threads, each a rank of a fresh in-process group."""
+def check_collectives_on_worker(worker) -> str:
+    """Through ``collective_rpc``: every collective of the worker's TP group, sync and async."""
+    for async_op in (False, True):
+        check_collectives(worker.tp_group, async_op)
+    return type(worker.tp_group).__name__
+
+
+def run_thread_ranks(world: int, fn, timeout_s: float = 60.0, name: str = "test", backend: str = "threads",
+                     devices: list[torch.device] | None = None) -> list:
+    """Runs ``fn(group)`` on ``world`` threads, each a rank of a fresh in-process group (on
+    ``devices[rank]``, CPU by default)."""
     init_method = f"inproc://{uuid.uuid4().hex}"
     factory = ProcessGroupFactory.instance()
+    devices = devices or [torch.device("cpu")] * world
 
     def rank_main(rank: int):
-        group = factory.get_or_create(name, backend="threads", rank=rank, world_size=world,
-                                      device=torch.device("cpu"), init_method=init_method, timeout_s=timeout_s)
+        if devices[rank].type == "cuda":
+            torch.cuda.set_device(devices[rank])  # the thread's current device, as a rank thread has
+        group = factory.get_or_create(name, backend=backend, rank=rank, world_size=world,
+                                      device=devices[rank], init_method=init_method, timeout_s=timeout_s)
         try:
             return fn(group)
         finally:

@@ -27,7 +27,7 @@ from novainfer.executor import ExecutorTimeoutError, WorkerError
 from novainfer.executor.multiproc_executor import MultiprocExecutor
 from tests.test_tensor_parallel import (  # noqa: F401 - fixtures
     ENGINE,
-    check_collectives,
+    check_collectives_on_worker,
     check_random_sampling,
     expected,
     greedy_tokens,
@@ -77,16 +77,10 @@ def test_mp_random_sampling_keeps_ranks_in_step(mp_tp2, tp_model, prompts):
     check_random_sampling(mp_tp2, tp_model, prompts[:2])
 
 
-def _check_collectives_on_worker(worker) -> str:
-    for async_op in (False, True):
-        check_collectives(worker.tp_group, async_op)
-    return type(worker.tp_group).__name__
-
-
 def test_gloo_group_collectives_match_pytorch(mp_tp2):
     """Every collective of the workers' Gloo group (sync and async) against PyTorch, on both ranks."""
     executor = mp_tp2.llm_engine.executor
-    assert executor.collective_rpc(_check_collectives_on_worker) == ["TorchDistributedProcessGroup"] * 2
+    assert executor.collective_rpc(check_collectives_on_worker) == ["TorchDistributedProcessGroup"] * 2
 
 
 def test_worker_error_at_start_up_names_rank_and_fields(tp_model, tmp_path):

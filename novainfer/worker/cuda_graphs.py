@@ -52,26 +52,38 @@ class DecodeGraphs:
         index = bisect.bisect_left(self._sizes, num_seqs)
         return self._sizes[index] if index < len(self._sizes) else None
 
-    def capture(self, sizes: list[int], run_step: Callable[[int], torch.Tensor]) -> None:
+    def capture(self, sizes: list[int], run_step: Callable[[int], torch.Tensor], device: torch.device) -> None:
         """Captures ``run_step(size)`` (which returns the step's logits) for every size.
 
         Each size first runs once outside the graph, so that lazy work (kernel compilation,
         workspace allocation) happens before capture.
+
+        Capture goes through ``CUDAGraph.capture_begin`` on a stream of ``device`` rather than the
+        ``torch.cuda.graph`` context, which shares one capture stream among every graph of the
+        process (made on whichever device captured first) and empties the allocator cache of every
+        device. In the single-process TP executor, ranks capture on their own threads at once: the
+        shared stream would put two devices' captures on one stream, and emptying another rank's
+        cache synchronizes its GPU while that rank may wait in a collective for this one.
         """
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
         for size in sorted(sizes, reverse=True):
             run_step(size)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: ranks of the single-process TP executor capture on their own threads at once.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                logits = run_step(size)
+            with torch.cuda.stream(stream):
+                # thread_local: what other threads (other ranks) do meanwhile does not break this capture.
+                graph.capture_begin(pool, capture_error_mode="thread_local")
+                try:
+                    logits = run_step(size)
+                finally:
+                    graph.capture_end()
             self._graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         self._sizes = sorted(self._graphs)
-        logger.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s", len(self._sizes),
-                    self._sizes, time.perf_counter() - started)
+        logger.info("captured %d CUDA graphs for decode batch sizes %s on %s in %.1f s", len(self._sizes),
+                    self._sizes, device, time.perf_counter() - started)
 
     def replay(self, size: int) -> torch.Tensor:
         """Runs the graph of ``size`` on what its static inputs hold now; returns its logits [size, V]."""

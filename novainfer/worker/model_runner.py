@@ -175,7 +175,7 @@ class ModelRunner:
             hidden = self.model(views["input_ids"][:size], views["positions"][:size], metadata)
             return self.model.compute_logits(hidden)
 
-        self.graphs.capture(sizes, run_step)
+        self.graphs.capture(sizes, run_step, self.device)
 
     # ---- staging a step ----------------------------------------------------------------------
     def _ensure_capacity(self, need: BufferCapacity) -> None:

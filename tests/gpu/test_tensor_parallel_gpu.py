@@ -1,4 +1,4 @@
-"""Tensor parallelism over two GPUs in bfloat16, against one GPU.
+"""Tensor parallelism over two GPUs in bfloat16, against one GPU, on a Qwen2-1.5B-shaped model.
 
 ``uni`` keeps both ranks in this process (NCCL communicators made by CuPy, one thread per GPU);
 ``mp`` gives each rank a process (NCCL through torch.distributed). Greedy tokens must equal the
@@ -15,14 +15,16 @@ import pytest
 import torch
 
 from novainfer import LLM, SamplingParams
+from tests.test_tensor_parallel import check_collectives, check_collectives_on_worker, run_thread_ranks
 from tests.utils import hf_logits, random_ids, tiny_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices")]
 
-# Qwen2-0.5B's shape, shallower: 14 query heads and 2 KV heads split into 7 and 1 per rank.
-MODEL = dict(num_attention_heads=14, num_key_value_heads=2, head_dim=64, hidden_size=896,
-             intermediate_size=4864, num_hidden_layers=4, tie_word_embeddings=True, std=0.05)
+# Qwen2-1.5B's shape: 12 query heads and 2 KV heads split into 6 and 1 per rank.
+MODEL = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+             intermediate_size=8960, vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6,
+             max_position_embeddings=32768, dtype="bfloat16", std=0.05)
 ENGINE = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=256, max_num_seqs=8,
               num_gpu_blocks_override=128)
 MAX_TOKENS = 32
@@ -62,23 +64,29 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def single_gpu(model_dir, prompts):
+def single_gpu(model_dir, prompts) -> dict:
+    """The one-GPU engine's greedy tokens and KV cache, the reference of every TP test."""
     llm = LLM(str(model_dir), **ENGINE)
     try:
-        return _greedy(llm, prompts)
+        (kv,) = llm.llm_engine.executor.collective_rpc(_rank_kv)
+        return {"tokens": _greedy(llm, prompts), "kv": kv}
     finally:
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tp2_bf16_greedy_equal_to_one_gpu_until_a_near_tie(model_dir, prompts, single_gpu, backend):
-    _needs_backend(backend)
-    llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend=backend, **ENGINE)
-    try:
-        outputs = _greedy(llm, prompts)
-    finally:
-        llm.llm_engine.shutdown()
-    for prompt, ours, reference in zip(prompts, outputs, single_gpu):
+@pytest.fixture(scope="module", params=BACKENDS)
+def tp2(request, model_dir) -> LLM:
+    """A tp=2 engine of each executor backend (one at a time: the previous one is shut down first)."""
+    _needs_backend(request.param)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend=request.param, **ENGINE)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def test_tp2_bf16_greedy_equal_to_one_gpu_until_a_near_tie(model_dir, prompts, single_gpu, tp2):
+    backend = tp2.llm_engine.config.parallel_config.distributed_executor_backend
+    outputs = _greedy(tp2, prompts)
+    for prompt, ours, reference in zip(prompts, outputs, single_gpu["tokens"]):
         diverge = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), None)
         print(f"{backend} prompt len {len(prompt)}: equal for "
               f"{diverge if diverge is not None else MAX_TOKENS}/{MAX_TOKENS} tokens")
@@ -101,20 +109,64 @@ def _rank_kv(worker) -> tuple[str, int, int]:
     return str(worker.device), layers[0].k_cache.shape[2], kv_bytes
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_each_gpu_caches_half_the_kv_heads(model_dir, backend):
-    _needs_backend(backend)
-    results = {}
-    for tp in (1, 2):
-        llm = LLM(str(model_dir), tensor_parallel_size=tp, distributed_executor_backend=backend, **ENGINE)
-        try:
-            results[tp] = llm.llm_engine.executor.collective_rpc(_rank_kv)
-        finally:
-            llm.llm_engine.shutdown()
-    (device, heads, one_gpu_bytes), = results[1]
+def test_each_gpu_caches_half_the_kv_heads(single_gpu, tp2):
+    backend = tp2.llm_engine.config.parallel_config.distributed_executor_backend
+    _, heads, one_gpu_bytes = single_gpu["kv"]
     assert heads == MODEL["num_key_value_heads"]
-    assert sorted(device for device, _, _ in results[2]) == ["cuda:0", "cuda:1"]
-    for device, heads, kv_bytes in results[2]:
+    ranks = tp2.llm_engine.executor.collective_rpc(_rank_kv)
+    assert sorted(device for device, _, _ in ranks) == ["cuda:0", "cuda:1"]
+    for device, heads, kv_bytes in ranks:
         print(f"{backend} {device}: {heads} KV head(s), {kv_bytes} KV bytes (one GPU: {one_gpu_bytes})")
         assert heads == MODEL["num_key_value_heads"] // 2
         assert kv_bytes * 2 == one_gpu_bytes  # same block count, half the heads
+
+
+def test_engine_group_collectives_match_pytorch(tp2):
+    """Every collective of the engine's NCCL group (CuPy's in one process, torch.distributed's
+    across processes), sync and async, on both GPUs."""
+    backend = tp2.llm_engine.config.parallel_config.distributed_executor_backend
+    expected = {"uni": "CupyNcclProcessGroup", "mp": "TorchDistributedProcessGroup"}[backend]
+    assert tp2.llm_engine.executor.collective_rpc(check_collectives_on_worker) == [expected] * 2
+
+
+# ---- CuPy's NCCL group on its own: ranks as threads, one GPU each --------------------------------
+DEVICES = [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_cupy_nccl_thread_group_collectives_match_pytorch(async_op):
+    _needs_backend("uni")
+    sums = run_thread_ranks(2, lambda group: check_collectives(group, async_op).cpu(), backend="cupy-nccl",
+                            devices=DEVICES)
+    for result in sums:
+        assert isinstance(result, torch.Tensor), result
+        assert torch.equal(result, sums[0])
+
+
+def _all_reduce_in_a_graph(group) -> list[torch.Tensor]:
+    """Captures an all-reduce on each rank's thread at once, then replays it on new inputs."""
+    device = group.device
+    tensor = torch.zeros(1024, device=device)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        graph.capture_begin(capture_error_mode="thread_local")
+        tensor.mul_(2.0)
+        group.all_reduce(tensor)
+        graph.capture_end()
+    results = []
+    for step in range(3):
+        tensor.fill_(group.rank + 1 + step)
+        graph.replay()
+        results.append(tensor.cpu())
+    return results
+
+
+def test_cupy_nccl_all_reduce_replays_in_cuda_graphs():
+    _needs_backend("uni")
+    ranks = run_thread_ranks(2, _all_reduce_in_a_graph, backend="cupy-nccl", devices=DEVICES)
+    for results in ranks:
+        assert not isinstance(results, BaseException), results
+        for step, tensor in enumerate(results):
+            # 2 * (1 + step) + 2 * (2 + step): both ranks' doubled inputs, summed
+            assert torch.equal(tensor, torch.full((1024,), 4.0 * step + 6.0)), (step, tensor[:4])
