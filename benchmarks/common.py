@@ -250,6 +250,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPUs NovaInfer shards the model over (the transformers peer uses one)")
     g.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
                    help="uni: every rank a thread of this process; mp: a process per rank")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="every all-reduce through NCCL (default: small ones through the one-shot kernel)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -258,7 +260,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "gpu_memory_utilization": args.gpu_memory_utilization,
               "tensor_parallel_size": args.tensor_parallel_size,
-              "distributed_executor_backend": args.distributed_executor_backend}
+              "distributed_executor_backend": args.distributed_executor_backend,
+              "disable_custom_all_reduce": args.disable_custom_all_reduce}
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     return kwargs

@@ -232,6 +232,9 @@ class NovaInferRunner:
                            "max_model_len": self.engine.model_config.max_model_len,
                            "gpu_memory_utilization": cache.gpu_memory_utilization,
                            "tensor_parallel_size": self.engine.config.parallel_config.tensor_parallel_size,
+                           "distributed_executor_backend":
+                               self.engine.config.parallel_config.distributed_executor_backend,
+                           "disable_custom_all_reduce": self.engine.config.parallel_config.disable_custom_all_reduce,
                            "kv_cache_blocks": self.engine.kv_cache_manager.num_blocks,
                            "block_size": cache.block_size, "enable_prefix_caching": cache.enable_prefix_caching},
                 "note": "overhead = step time outside executor.execute_model (scheduling + output "

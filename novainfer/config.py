@@ -137,7 +137,8 @@ class ParallelConfig:
     worker processes: "nccl" on CUDA, "gloo" on CPU), ``init_method``, ``tp_group_name``,
     ``use_single_process_tp``, ``tensor_parallel_device_ids`` (the GPU of each rank) and
     ``enable_vocab_parallel`` (split the embedding and LM head over the vocabulary, seed 000
-    section 7.1.9; off: both are replicated on every rank).
+    section 7.1.9; off: both are replicated on every rank). ``disable_custom_all_reduce`` (vLLM's
+    name) keeps every all-reduce on NCCL instead of the one-shot kernel for small GPU tensors.
     """
 
     pipeline_parallel_size: int = 1
@@ -156,6 +157,7 @@ class ParallelConfig:
     use_single_process_tp: bool = True
     tensor_parallel_device_ids: list[int] | None = None
     enable_vocab_parallel: bool = False
+    disable_custom_all_reduce: bool = False
 
 
 def _require_int(name: str, value: Any, low: int, high: int | None = None) -> None:

@@ -72,7 +72,7 @@ class RecordingProcessGroup(ProcessGroup):
     def _done(async_op: bool):
         return CompletedWork() if async_op else None
 
-    def all_reduce(self, tensor, op=ReduceOpType.kSum, async_op=False):
+    def _all_reduce(self, tensor, op, async_op):
         assert op is ReduceOpType.kSum, f"unexpected reduce op {op}"
         self._record("all_reduce", tensor)
         if self.on_all_reduce is not None:
@@ -127,7 +127,7 @@ class ThreadProcessGroup(RecordingProcessGroup):
         self.rdv.barrier.wait()  # nobody overwrites a slot before everyone has read it
         return parts
 
-    def all_reduce(self, tensor, op=ReduceOpType.kSum, async_op=False):
+    def _all_reduce(self, tensor, op, async_op):
         assert op is ReduceOpType.kSum
         self._record("all_reduce", tensor)
         parts = self._exchange(tensor)

@@ -102,8 +102,7 @@ class CupyNcclProcessGroup(ProcessGroup):
         return CudaEventWork(event, self.device)
 
     # ---- collectives --------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpType = ReduceOpType.kSum,
-                   async_op: bool = False) -> Work | None:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOpType, async_op: bool) -> Work | None:
         dtype = self._check(tensor)
         ptr = tensor.data_ptr()
         return self._issue("all_reduce", lambda stream: self._comm.allReduce(

@@ -110,4 +110,5 @@ class ProcessGroupFactory:
             # Whichever thread destroys it: rank threads of a failed executor do not get to.
             for thread_id in [t for t, g in self._defaults.items() if g is group]:
                 del self._defaults[thread_id]
+        group.close_custom_all_reduce()
         group.shutdown()

@@ -128,8 +128,7 @@ class ThreadProcessGroup(ProcessGroup):
         return run
 
     # ---- collectives --------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpType = ReduceOpType.kSum,
-                   async_op: bool = False) -> Work | None:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOpType, async_op: bool) -> Work | None:
         return self._issue("all_reduce", self._exchange_then_write(
             tensor, lambda values: _reduce(values, op), tensor.copy_), async_op)
 

@@ -75,6 +75,9 @@ def init_tensor_parallel_group(parallel_config: ParallelConfig, rank: int, devic
     """This rank's tensor-parallel group (a single rank when tensor_parallel_size is 1)."""
     if parallel_config.tensor_parallel_size == 1:
         return _SINGLE
-    return ProcessGroupFactory.instance().get_or_create(
+    group = ProcessGroupFactory.instance().get_or_create(
         parallel_config.tp_group_name, backend=tp_group_backend(parallel_config, device), rank=rank,
         world_size=parallel_config.tensor_parallel_size, device=device, init_method=init_method)
+    if not parallel_config.disable_custom_all_reduce:
+        group.enable_custom_all_reduce()
+    return group

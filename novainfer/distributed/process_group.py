@@ -13,11 +13,14 @@ import enum
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from novainfer.distributed.work import CompletedWork, Work
+from novainfer.distributed.work import CompletedWork, CudaEventWork, Work
+
+if TYPE_CHECKING:
+    from novainfer.distributed.custom_all_reduce import CustomAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,42 @@ class ProcessGroup(ABC):
         self.ranks = list(ranks) if ranks is not None else list(range(world_size))
         self.device = device if device is not None else torch.device("cpu")
 
+    # The one-shot all-reduce of small sums (GPU groups; see enable_custom_all_reduce).
+    custom_all_reduce: CustomAllReduce | None = None
+
+    def enable_custom_all_reduce(self, max_bytes: int | None = None) -> bool:
+        """Sets up the one-shot all-reduce when every GPU of the group can read the others' memory.
+
+        Every rank calls it at once (it exchanges buffers); returns whether it is on. Off on CPU,
+        for one rank, without CuPy, or without peer access between some pair of GPUs.
+        """
+        if self.device.type != "cuda" or self.world_size == 1:
+            return False
+        from novainfer.distributed.custom_all_reduce import DEFAULT_MAX_BYTES, CustomAllReduce
+
+        devices = [int.from_bytes(b, "little") for b in self.all_gather_bytes(self.device.index.to_bytes(8, "little"))]
+        if not CustomAllReduce.is_possible(devices):
+            logger.info("group %s: no custom all-reduce (GPUs %s cannot all access each other, or no CuPy); "
+                        "all-reduces use the group's backend", self.name, devices)
+            return False
+        self.custom_all_reduce = CustomAllReduce(self.rank, self.world_size, self.device, self.all_gather_bytes,
+                                                 max_bytes or DEFAULT_MAX_BYTES)
+        return True
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (of the same length on every rank), in rank order."""
+        local = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        gathered = torch.empty(self.world_size * len(data), dtype=torch.uint8, device=self.device)
+        self.all_gather(gathered, local)
+        flat = gathered.cpu().numpy().tobytes()
+        return [flat[i * len(data):(i + 1) * len(data)] for i in range(self.world_size)]
+
+    def close_custom_all_reduce(self) -> None:
+        """Releases the one-shot all-reduce's buffers (before the group itself goes)."""
+        if self.custom_all_reduce is not None:
+            self.custom_all_reduce.close()
+            self.custom_all_reduce = None
+
     def get_group_rank(self, global_rank: int) -> int:
         """Rank inside this group of the process whose global rank is ``global_rank``."""
         try:
@@ -73,9 +112,23 @@ class ProcessGroup(ABC):
             raise ValueError(f"global rank {global_rank} is not a member of group {self.name!r} "
                              f"(members: {self.ranks})") from None
 
-    @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpType = ReduceOpType.kSum,
-                   async_op: bool = False) -> Work | None: ...
+                   async_op: bool = False) -> Work | None:
+        """Reduces ``tensor`` over the ranks in place. Small sums between GPUs that read each other's
+        memory take the one-shot kernel once :meth:`enable_custom_all_reduce` succeeded."""
+        fast = self.custom_all_reduce
+        if fast is not None and op is ReduceOpType.kSum and fast.supports(tensor):
+            self._run_collective("all_reduce", lambda: fast.all_reduce(tensor))
+            if not async_op:
+                return None
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            return CudaEventWork(event, self.device)
+        return self._all_reduce(tensor, op, async_op)
+
+    @abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOpType, async_op: bool) -> Work | None:
+        """The backend's own all-reduce."""
 
     @abstractmethod
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Work | None:
@@ -126,7 +179,7 @@ class SingleRankProcessGroup(ProcessGroup):
     def _done(self, async_op: bool) -> Work | None:
         return CompletedWork() if async_op else None
 
-    def all_reduce(self, tensor, op=ReduceOpType.kSum, async_op=False):
+    def _all_reduce(self, tensor, op, async_op):
         return self._done(async_op)
 
     def all_gather(self, output, tensor, async_op=False):

@@ -112,8 +112,7 @@ class TorchDistributedProcessGroup(ProcessGroup):
             return dist.ReduceOp.SUM, lambda: average_in_place(tensor, self.world_size)
         return _TORCH_OPS[op], None
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpType = ReduceOpType.kSum,
-                   async_op: bool = False) -> Work | None:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOpType, async_op: bool) -> Work | None:
         torch_op, finish = self._torch_op(op, tensor)
         return self._issue("all_reduce", lambda a: dist.all_reduce(tensor, op=torch_op, async_op=a), async_op,
                            finish)

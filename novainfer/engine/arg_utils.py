@@ -32,6 +32,7 @@ class EngineArgs:
     distributed_executor_backend: str = "uni"  # "uni" (ranks as threads of this process) or "mp"
     tensor_parallel_device_ids: list[int] | None = None  # the GPU of each rank; default 0..tp-1
     enable_vocab_parallel: bool = False  # split the embedding and LM head over the vocabulary
+    disable_custom_all_reduce: bool = False  # small GPU all-reduces through NCCL, not the one-shot kernel
     log_stats_interval: float = 5.0
 
     @classmethod
@@ -62,7 +63,8 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             tensor_parallel_device_ids=self.tensor_parallel_device_ids,
-            enable_vocab_parallel=self.enable_vocab_parallel), device)
+            enable_vocab_parallel=self.enable_vocab_parallel,
+            disable_custom_all_reduce=self.disable_custom_all_reduce), device)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device)
 
     def replace(self, **changes: Any) -> EngineArgs:

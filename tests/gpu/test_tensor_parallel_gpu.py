@@ -147,6 +147,7 @@ def _all_reduce_in_a_graph(group) -> list[torch.Tensor]:
     """Captures an all-reduce on each rank's thread at once, then replays it on new inputs."""
     device = group.device
     tensor = torch.zeros(1024, device=device)
+    group.all_reduce(tensor)  # NCCL connects on the first collective, which cannot happen in a capture
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream(device)):
@@ -170,3 +171,55 @@ def test_cupy_nccl_all_reduce_replays_in_cuda_graphs():
         for step, tensor in enumerate(results):
             # 2 * (1 + step) + 2 * (2 + step): both ranks' doubled inputs, summed
             assert torch.equal(tensor, torch.full((1024,), 4.0 * step + 6.0)), (step, tensor[:4])
+
+
+# ---- the one-shot custom all-reduce -------------------------------------------------------------
+def _custom_all_reduce_sums(group) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Sums of several sizes and dtypes, eagerly and replayed in a CUDA graph: (case, ours, inputs)."""
+    assert group.enable_custom_all_reduce(), "no custom all-reduce between these GPUs"
+    device, results = group.device, []
+    gen = torch.Generator(device).manual_seed(group.rank)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for numel in (1, 1000, 3584 * 7, 256 * 3584):
+            x = torch.randn(numel, generator=gen, device=device).to(dtype)
+            ours = x.clone()
+            group.all_reduce(ours)
+            results.append((f"{dtype} {numel}", ours.cpu(), x.cpu()))
+    static = torch.zeros(4096, 896, dtype=torch.bfloat16, device=device)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        graph.capture_begin(capture_error_mode="thread_local")
+        group.all_reduce(static)
+        graph.capture_end()
+    for step in range(3):
+        x = torch.randn(static.shape, generator=gen, device=device).to(static.dtype)
+        static.copy_(x)
+        graph.replay()
+        results.append((f"graph replay {step}", static.cpu(), x.cpu()))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_custom_all_reduce_sums_in_rank_order_eagerly_and_in_graphs(world):
+    """Every rank gets the float32 sum of all ranks' inputs in rank order, rounded once: bit-equal."""
+    _needs_backend("uni")
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices")
+    ranks = run_thread_ranks(world, _custom_all_reduce_sums, backend="cupy-nccl",
+                             devices=[torch.device("cuda", i) for i in range(world)])
+    for results in ranks:
+        assert not isinstance(results, BaseException), results
+    for i, (case, _, _) in enumerate(ranks[0]):
+        inputs = [results[i][2] for results in ranks]
+        expected = sum(x.float() for x in inputs).to(inputs[0].dtype)
+        for rank, results in enumerate(ranks):
+            assert torch.equal(results[i][1], expected), f"rank {rank}, {case}"
+
+
+def _uses_custom_all_reduce(worker) -> bool:
+    return worker.tp_group.custom_all_reduce is not None
+
+
+def test_engine_groups_use_the_custom_all_reduce(tp2):
+    assert tp2.llm_engine.executor.collective_rpc(_uses_custom_all_reduce) == [True, True]
