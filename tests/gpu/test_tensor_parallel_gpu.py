@@ -185,7 +185,7 @@ def _custom_all_reduce_sums(group) -> list[tuple[str, torch.Tensor, torch.Tensor
             ours = x.clone()
             group.all_reduce(ours)
             results.append((f"{dtype} {numel}", ours.cpu(), x.cpu()))
-    static = torch.zeros(4096, 896, dtype=torch.bfloat16, device=device)
+    static = torch.zeros(256, 3584, dtype=torch.bfloat16, device=device)  # a decode step's hidden states
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream(device)):
