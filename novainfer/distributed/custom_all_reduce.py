@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 # Above this many bytes NCCL's ring is as fast or faster (one-shot reads world_size x the bytes).
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 _BLOCK = 1024
+_NUM_WARPS = 4
+# Programs per multiprocessor; all of them must be resident at once (they wait for each other's peers).
+_PROGRAMS_PER_SM = 1
+_MAX_PROGRAMS_PER_SM = 4
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
@@ -103,7 +107,7 @@ class CustomAllReduce:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         # Two halves of data, then one int32 flag per (program, source rank).
         self._half_bytes = max_bytes
-        flag_bytes = num_sms * world_size * 4
+        flag_bytes = _MAX_PROGRAMS_PER_SM * num_sms * world_size * 4
         with torch.cuda.device(device):
             self._own = runtime.malloc(2 * max_bytes + flag_bytes)
             runtime.memset(self._own, 0, 2 * max_bytes + flag_bytes)
@@ -111,7 +115,8 @@ class CustomAllReduce:
         records = [_RECORD.unpack(r) for r in all_gather_bytes(
             _RECORD.pack(os.getpid(), device.index, num_sms, self._own, bytes(handle)))]
         # Same grid on every rank: the programs of one index meet at the barrier.
-        self.max_programs = min(sms for _, _, sms, _, _ in records)
+        min_sms = min(sms for _, _, sms, _, _ in records)
+        self.max_programs = _PROGRAMS_PER_SM * min_sms
         bases = []
         with torch.cuda.device(device):
             for peer, (pid, peer_device, _, pointer, peer_handle) in enumerate(records):
@@ -126,7 +131,10 @@ class CustomAllReduce:
                     bases.append(opened)
         self._buffer_ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
         self._signal_ptrs = torch.tensor([b + 2 * max_bytes for b in bases], dtype=torch.int64, device=device)
-        self._counters = torch.zeros(self.max_programs, dtype=torch.int32, device=device)
+        self._counters = torch.zeros(_MAX_PROGRAMS_PER_SM * min_sms, dtype=torch.int32, device=device)
+        # Elements per program per iteration, and warps per program (the same on every rank). The
+        # all-reduce benchmark varies these and max_programs (up to _MAX_PROGRAMS_PER_SM per SM).
+        self.block, self.num_warps = _BLOCK, _NUM_WARPS
 
     @staticmethod
     def is_possible(devices: list[int]) -> bool:
@@ -153,8 +161,9 @@ class CustomAllReduce:
         # Always the full grid (programs without chunks only take part in the barrier): see above.
         _one_shot_all_reduce_kernel[(self.max_programs,)](tensor, self._buffer_ptrs, self._signal_ptrs,
                                                            self._counters, n,
-                                          self._half_bytes // tensor.element_size(), RANK=self.rank,
-                                          WORLD_SIZE=self.world_size, BLOCK=_BLOCK, num_warps=4)
+                                                           self._half_bytes // tensor.element_size(),
+                                                           RANK=self.rank, WORLD_SIZE=self.world_size,
+                                                           BLOCK=self.block, num_warps=self.num_warps)
 
     def close(self) -> None:
         """Frees this rank's buffer and closes the peers' (every rank at once, with the GPUs idle)."""
