@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 # Above this many bytes NCCL's ring is as fast or faster (one-shot reads world_size x the bytes).
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
-_BLOCK = 1024
-_NUM_WARPS = 4
+_BLOCK = 2048
+_NUM_WARPS = 8
 # Programs per multiprocessor; all of them must be resident at once (they wait for each other's peers).
 _PROGRAMS_PER_SM = 1
 _MAX_PROGRAMS_PER_SM = 4
