@@ -95,11 +95,7 @@ class CupyNcclProcessGroup(ProcessGroup):
     def _issue(self, op: str, call: Callable[[int], None], async_op: bool) -> Work | None:
         stream = torch.cuda.current_stream(self.device)
         self._run_collective(op, lambda: call(stream.cuda_stream))
-        if not async_op:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return CudaEventWork(event, self.device)
+        return CudaEventWork.on_current_stream(self.device) if async_op else None
 
     # ---- collectives --------------------------------------------------------------------------
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOpType, async_op: bool) -> Work | None:

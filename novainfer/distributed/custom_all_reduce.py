@@ -19,7 +19,6 @@ enabled) and by CUDA IPC handle when they are processes (``mp``). CuPy provides 
 
 from __future__ import annotations
 
-import logging
 import os
 import struct
 from collections.abc import Callable
@@ -27,8 +26,6 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-
-logger = logging.getLogger(__name__)
 
 # Above this many bytes NCCL's ring is as fast or faster (one-shot reads world_size x the bytes).
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024

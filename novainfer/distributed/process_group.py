@@ -119,11 +119,7 @@ class ProcessGroup(ABC):
         fast = self.custom_all_reduce
         if fast is not None and op is ReduceOpType.kSum and fast.supports(tensor):
             self._run_collective("all_reduce", lambda: fast.all_reduce(tensor))
-            if not async_op:
-                return None
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            return CudaEventWork(event, self.device)
+            return CudaEventWork.on_current_stream(self.device) if async_op else None
         return self._all_reduce(tensor, op, async_op)
 
     @abstractmethod

@@ -95,6 +95,13 @@ class CudaEventWork(Work):
         self._event = event
         self._device = device
 
+    @classmethod
+    def on_current_stream(cls, device: torch.device) -> CudaEventWork:
+        """The work of what was just enqueued on ``device``'s current stream."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return cls(event, device)
+
     def wait(self, timeout: float | None = None) -> bool:
         if timeout is None:
             torch.cuda.current_stream(self._device).wait_event(self._event)

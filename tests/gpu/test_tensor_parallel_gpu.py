@@ -143,18 +143,23 @@ def test_cupy_nccl_thread_group_collectives_match_pytorch(async_op):
         assert torch.equal(result, sums[0])
 
 
+def _capture(device: torch.device, fn) -> torch.cuda.CUDAGraph:
+    """``fn`` captured on a side stream of ``device``; other threads (ranks) may capture at the same time."""
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        graph.capture_begin(capture_error_mode="thread_local")
+        fn()
+        graph.capture_end()
+    return graph
+
+
 def _all_reduce_in_a_graph(group) -> list[torch.Tensor]:
     """Captures an all-reduce on each rank's thread at once, then replays it on new inputs."""
     device = group.device
     tensor = torch.zeros(1024, device=device)
     group.all_reduce(tensor)  # NCCL connects on the first collective, which cannot happen in a capture
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(torch.cuda.Stream(device)):
-        graph.capture_begin(capture_error_mode="thread_local")
-        tensor.mul_(2.0)
-        group.all_reduce(tensor)
-        graph.capture_end()
+    graph = _capture(device, lambda: group.all_reduce(tensor.mul_(2.0)))
     results = []
     for step in range(3):
         tensor.fill_(group.rank + 1 + step)
@@ -186,12 +191,7 @@ def _custom_all_reduce_sums(group) -> list[tuple[str, torch.Tensor, torch.Tensor
             group.all_reduce(ours)
             results.append((f"{dtype} {numel}", ours.cpu(), x.cpu()))
     static = torch.zeros(256, 3584, dtype=torch.bfloat16, device=device)  # a decode step's hidden states
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(torch.cuda.Stream(device)):
-        graph.capture_begin(capture_error_mode="thread_local")
-        group.all_reduce(static)
-        graph.capture_end()
+    graph = _capture(device, lambda: group.all_reduce(static))
     for step in range(3):
         x = torch.randn(static.shape, generator=gen, device=device).to(static.dtype)
         static.copy_(x)
