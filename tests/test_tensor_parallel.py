@@ -4,7 +4,8 @@
 * ParallelConfig validation and the start-up errors of section 7.4.7, with the named fields.
 * Greedy output of tp 2 and 4 (with and without vocabulary parallelism) against transformers
   and tp 1; exactly two all-reduces per decoder layer; each rank caches only its KV heads.
-* Random sampling keeps the ranks in step (logprobs of the sampled tokens against transformers).
+* Random sampling keeps the ranks in step (logprobs of the sampled tokens against transformers),
+  with only the driver rank staging steps and sampling.
 * A rank that raises or hangs fails the call with an error naming it, without hanging the others.
 """
 
@@ -433,13 +434,20 @@ def test_each_rank_caches_only_its_kv_heads(tp_model):
             llm.llm_engine.shutdown()
 
 
-def test_random_sampling_keeps_ranks_in_step(tp_model, prompts):
-    """Unseeded sampling draws from one CPU generator shared by the rank threads; rank 0's tokens
-    must win on every rank, or the next step's all-reduces would mix different sequences. Checked
-    through the sampled tokens' logprobs, which must be transformers' for the same text."""
+def test_random_sampling_on_the_driver_rank_only(tp_model, prompts):
+    """Only the driver rank stages steps and samples; the other rank runs what it staged, so every
+    rank computes the driver's sequences. Checked through the sampled tokens' logprobs, which must
+    be transformers' for the same text, with the other rank's own staging and sampling disabled."""
     llm = LLM(str(tp_model), tensor_parallel_size=2, **ENGINE)
     try:
+        follower = llm.llm_engine.executor.workers[1].model_runner
+
+        def not_on_this_rank(*args, **kwargs):
+            raise AssertionError("a non-driver rank staged or sampled a step")
+
+        follower.execute_model = follower.sampler = not_on_this_rank
         check_random_sampling(llm, tp_model, prompts[:3])
+        assert follower.requests == {}
     finally:
         llm.llm_engine.shutdown()
 
@@ -459,7 +467,8 @@ def check_random_sampling(llm: LLM, model_dir, prompts: list[list[int]]) -> None
 
 # ---- failures ------------------------------------------------------------------------------------
 def _fail_rank(llm: LLM, rank: int, replacement) -> None:
-    llm.llm_engine.executor.workers[rank].model_runner.execute_model = replacement
+    """Replaces what a non-driver rank of a ``uni`` executor runs in a step (the driver's step)."""
+    llm.llm_engine.executor.workers[rank].model_runner.run_staged = replacement
 
 
 def test_a_raising_rank_fails_the_step_naming_it(tp_model, prompts, caplog):
@@ -467,7 +476,7 @@ def test_a_raising_rank_fails_the_step_naming_it(tp_model, prompts, caplog):
     try:
         greedy_tokens(llm, prompts[:1])
 
-        def boom(scheduler_output):
+        def boom(staged):
             raise RuntimeError("injected failure")
 
         _fail_rank(llm, 1, boom)
@@ -485,6 +494,25 @@ def test_a_raising_rank_fails_the_step_naming_it(tp_model, prompts, caplog):
         llm.llm_engine.shutdown()
 
 
+def test_a_driver_failing_before_staging_releases_the_other_ranks(tp_model, prompts):
+    llm = LLM(str(tp_model), tensor_parallel_size=2, **ENGINE)
+    try:
+        greedy_tokens(llm, prompts[:1])
+        executor = llm.llm_engine.executor
+
+        def boom(scheduler_output, on_staged=None):
+            raise RuntimeError("injected failure")
+
+        executor.workers[0].model_runner.execute_model = boom
+        with pytest.raises(WorkerError) as info:
+            greedy_tokens(llm, prompts[:2])
+        assert info.value.rank == 0 and "injected failure" in str(info.value)
+        # Rank 1 was waiting for the step; it left at once instead of waiting for the step timeout.
+        executor._rank_threads[1].submit(lambda: None).result(timeout=5)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_a_hung_rank_times_out_naming_it(tp_model, prompts):
     llm = LLM(str(tp_model), tensor_parallel_size=2, **ENGINE)
     try:
@@ -493,9 +521,9 @@ def test_a_hung_rank_times_out_naming_it(tp_model, prompts):
         runner = executor.workers[1].model_runner
         release = threading.Event()
 
-        def hang(scheduler_output):
+        def hang(staged):
             release.wait(30)
-            return runner.__class__.execute_model(runner, scheduler_output)
+            return runner.__class__.run_staged(runner, staged)
 
         _fail_rank(llm, 1, hang)
         started = time.monotonic()

@@ -4,6 +4,9 @@ With one rank the worker runs on the calling thread. With several, each rank has
 thread of its own, so that its thread-local TP group and CUDA device stay bound to it and the
 ranks' collectives run concurrently. A call goes to every rank thread and waits for all of them
 (lock-step); ranks meet through in-process groups under one ``inproc://`` rendezvous per engine.
+In a step only the driver rank stages inputs and samples; the others run what it staged
+(:class:`~novainfer.worker.step_broadcast.StepBroadcast`), so the ranks' host work does not add
+up under the GIL.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from novainfer.core.sched.output import SchedulerOutput
 from novainfer.distributed import CollectiveAbortedError, ProcessGroupFactory
 from novainfer.executor.abstract import Executor, ExecutorTimeoutError, WorkerError
+from novainfer.worker.model_runner import ModelRunnerOutput
+from novainfer.worker.step_broadcast import StepBroadcast
 from novainfer.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -32,7 +38,7 @@ class UniProcExecutor(Executor):
         # Distinct per engine: several engines (and their groups) can share this process.
         self._init_method = f"inproc://{parallel.tp_group_name}-{uuid.uuid4().hex[:12]}"
         self.workers = [Worker(self.config, local_rank=local_rank, rank=rank, distributed_init_method=init_method,
-                               is_driver_worker=rank == 0)
+                               is_driver_worker=rank == 0, follows_driver_steps=parallel.world_size > 1)
                         for init_method, rank, local_rank in map(self._distributed_args, range(parallel.world_size))]
         self._rank_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"novainfer-rank{rank}")
                               for rank in range(parallel.world_size)] if parallel.world_size > 1 else []
@@ -50,6 +56,13 @@ class UniProcExecutor(Executor):
     def driver_worker(self) -> Worker:
         """Rank 0's worker, whose results the executor returns."""
         return self.workers[0]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if not self._rank_threads:
+            return super().execute_model(scheduler_output)
+        broadcast = StepBroadcast(self.execute_model_timeout_s)
+        return self.collective_rpc("execute_model", (scheduler_output, broadcast), unique_reply_rank=0,
+                                   timeout_s=self.execute_model_timeout_s)[0]
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict[str, Any] | None = None, *, unique_reply_rank: int | None = None,

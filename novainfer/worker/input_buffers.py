@@ -80,6 +80,9 @@ class StepInputBuffers:
                               else self._host_bytes)
         # Set when a copy is queued; the host waits on it before overwriting the staging buffer.
         self._copy_done = torch.cuda.Event() if on_cuda else None
+        # Copies that other ranks' buffers (threads of this process) queued from this host buffer,
+        # by the device they copy to: this buffer is only writable again once they have read it.
+        self._reader_copies: dict[torch.device, torch.cuda.Event] = {}
 
     def block_table_rows_end(self, num_rows: int) -> int:
         """Byte offset just past the first ``num_rows`` block-table rows (the end of a step's data)."""
@@ -93,9 +96,25 @@ class StepInputBuffers:
         """
         if self._copy_done is not None:
             self._copy_done.synchronize()
+        for copy_done in self._reader_copies.values():
+            copy_done.synchronize()
 
-    def copy_to_device(self, num_bytes: int) -> None:
-        """Sends the first ``num_bytes`` to the device, asynchronously (a no-op on CPU)."""
+    def copy_to_device(self, num_bytes: int, source: StepInputBuffers | None = None) -> None:
+        """Sends the first ``num_bytes`` of the host buffer to the device, asynchronously.
+
+        ``source``: another buffer of the same layout whose host side holds the step instead (the
+        driver rank's, staged once for every rank of a ``uni`` executor); ``source`` then waits for
+        this copy before it is refilled. On CPU, where the device side is the host buffer, only a
+        copy from another buffer does anything.
+        """
+        source = source or self
+        if source is not self and source.offsets != self.offsets:
+            raise ValueError(f"cannot copy between step buffers of different layouts "
+                             f"({source.capacity} and {self.capacity})")
         if self._copy_done is not None:
-            self._device_bytes[:num_bytes].copy_(self._host_bytes[:num_bytes], non_blocking=True)
+            self._device_bytes[:num_bytes].copy_(source._host_bytes[:num_bytes], non_blocking=True)
             self._copy_done.record()
+            if source is not self:
+                source._reader_copies[self.device] = self._copy_done
+        elif source is not self:
+            self._device_bytes[:num_bytes].copy_(source._host_bytes[:num_bytes])

@@ -13,7 +13,7 @@ device-to-host synchronisation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -59,6 +59,25 @@ class ModelInput:
     num_seqs: int
     graph_size: int | None = None  # the padded batch size of the graph to replay
     logits_are_all_rows: bool = False  # logits_indices == arange(num rows): no gather needed
+
+
+@dataclass
+class StagedStep:
+    """A step written into a host staging buffer, before any device work.
+
+    Any rank can run it: the driver rank of a ``uni`` executor stages each step once and every
+    rank copies the same host bytes to its own device.
+    """
+
+    buffers: StepInputBuffers  # whose host side holds the step
+    num_bytes: int  # the prefix of the buffer that the step uses
+    num_tokens: int
+    num_seqs: int
+    num_logits: int
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    graph_size: int | None  # the padded batch size of the graph to replay
+    logits_are_all_rows: bool
 
 
 @dataclass
@@ -178,10 +197,13 @@ class ModelRunner:
         self.graphs.capture(sizes, run_step, self.device)
 
     # ---- staging a step ----------------------------------------------------------------------
-    def _ensure_capacity(self, need: BufferCapacity) -> None:
-        if self.buffers is not None and self.buffers.capacity.covers(need):
+    def _ensure_capacity(self, need: BufferCapacity, exact: bool = False) -> None:
+        """Grows the staging buffers to hold ``need`` (or makes them exactly ``need``, to share a
+        layout with another rank's buffers)."""
+        if self.buffers is not None and (self.buffers.capacity == need if exact else
+                                         self.buffers.capacity.covers(need)):
             return
-        capacity = need if self.buffers is None else self.buffers.capacity.grown_to(need)
+        capacity = need if self.buffers is None or exact else self.buffers.capacity.grown_to(need)
         if self.graphs:
             logger.warning("a step needs larger input buffers (%s); dropping the CUDA graphs", capacity)
             self._clear_graphs()
@@ -213,8 +235,8 @@ class ModelRunner:
             backend=self.attn_backend)
 
     def _stage(self, input_ids: np.ndarray, query_lens: np.ndarray, start_pos: np.ndarray,
-               block_tables: np.ndarray, logits_indices: np.ndarray, allow_graph: bool = True) -> ModelInput:
-        """Writes a step's inputs into the staging buffer and sends them to the device in one copy.
+               block_tables: np.ndarray, logits_indices: np.ndarray, allow_graph: bool = True) -> StagedStep:
+        """Writes a step's inputs into the host staging buffer (no device work).
 
         ``block_tables`` is [num_seqs, n] with n >= every sequence's block count.
         """
@@ -241,25 +263,37 @@ class ModelRunner:
         rows = graph_size or num_seqs
         if graph_size is not None and graph_size > num_seqs:
             self._fill_padding(num_seqs, graph_size)
-        self.buffers.copy_to_device(self.buffers.block_table_rows_end(rows))
-
-        views = self.buffers.device_views
         all_rows = len(logits_indices) == num_tokens and bool((logits_indices == np.arange(num_tokens)).all())
+        return StagedStep(self.buffers, self.buffers.block_table_rows_end(rows), num_tokens, num_seqs,
+                          len(logits_indices), query_lens, seq_lens, graph_size, all_rows)
+
+    def _load(self, staged: StagedStep) -> ModelInput:
+        """Copies a staged step (this runner's or the driver rank's) to the device; returns its inputs."""
+        if staged.buffers is not self.buffers:
+            # A step staged by the driver rank: match its buffer layout, whose copy this is.
+            self._ensure_capacity(staged.buffers.capacity, exact=True)
+            if staged.graph_size is not None and self.graphs.padded_size(staged.graph_size) != staged.graph_size:
+                raise RuntimeError(f"the driver rank runs the CUDA graph of batch size {staged.graph_size}, "
+                                   f"which {self.device} did not capture (it has {self.graphs.sizes})")
+        self.buffers.copy_to_device(staged.num_bytes, staged.buffers)
+        views = self.buffers.device_views
+        num_tokens, num_seqs = staged.num_tokens, staged.num_seqs
         metadata = None
-        if graph_size is None:
+        if staged.graph_size is None:
             metadata = AttentionMetadata(
-                num_tokens=num_tokens, num_seqs=num_seqs, block_size=bs,
-                max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+                num_tokens=num_tokens, num_seqs=num_seqs, block_size=self.block_size,
+                max_query_len=int(staged.query_lens.max()), max_seq_len=int(staged.seq_lens.max()),
                 query_start_loc=views["query_start_loc"][:num_seqs + 1], seq_lens=views["seq_lens"][:num_seqs],
                 block_tables=views["block_tables"][:num_seqs], slot_mapping=views["slot_mapping"][:num_tokens],
-                query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, backend=self.attn_backend)
+                query_lens_cpu=staged.query_lens, seq_lens_cpu=staged.seq_lens, backend=self.attn_backend)
             self.attn_backend.prepare(metadata)
         return ModelInput(views["input_ids"][:num_tokens], views["positions"][:num_tokens], metadata,
-                          views["logits_indices"][:len(logits_indices)], num_seqs, graph_size, all_rows)
+                          views["logits_indices"][:staged.num_logits], num_seqs, staged.graph_size,
+                          staged.logits_are_all_rows)
 
     def prepare_inputs(self, seqs: Sequence[SequenceInput]) -> ModelInput:
         """Stages an explicit list of sequences (the low-level API); always an eager step."""
-        return self._stage(*self._flatten(seqs), allow_graph=False)
+        return self._load(self._stage(*self._flatten(seqs), allow_graph=False))
 
     def _flatten(self, seqs: Sequence[SequenceInput]):
         if not seqs:
@@ -308,7 +342,7 @@ class ModelRunner:
 
         Decode-only steps replay a CUDA graph when one was captured.
         """
-        return self._compute_logits(self._stage(*self._flatten(seqs))).float()
+        return self._compute_logits(self._load(self._stage(*self._flatten(seqs)))).float()
 
     # ---- engine steps ------------------------------------------------------------------------
     def _take_row(self) -> int:
@@ -359,9 +393,14 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput,
+                      on_staged: Callable[[StagedStep | None], None] | None = None) -> ModelRunnerOutput:
+        """Runs a scheduled step and samples; ``on_staged`` gets the staged step (None for an empty
+        one) as soon as its inputs are in the host buffer, for other ranks to run it too."""
         self._update_states(so)
         if so.is_empty:
+            if on_staged is not None:
+                on_staged(None)
             return ModelRunnerOutput([], [])
         num_seqs = len(so.num_scheduled_tokens)
         query_lens = np.empty(num_seqs, dtype=np.int64)
@@ -384,9 +423,11 @@ class ModelRunner:
                 sampling_seqs.append(i)
         max_blocks = -(-int((start_pos + query_lens).max()) // self.block_size)
         logits_indices = np.cumsum(query_lens)[sampling_seqs] - 1
-        model_input = self._stage(np.asarray(input_ids, dtype=np.int64), query_lens, start_pos,
-                                  self.block_table_rows[rows, :max_blocks], logits_indices)
-        logits = self._compute_logits(model_input)
+        staged = self._stage(np.asarray(input_ids, dtype=np.int64), query_lens, start_pos,
+                             self.block_table_rows[rows, :max_blocks], logits_indices)
+        if on_staged is not None:
+            on_staged(staged)
+        logits = self._compute_logits(self._load(staged))
         if not sampling:
             return ModelRunnerOutput([], [])
         if all(s.plain_greedy and len(s.output_token_ids) >= s.sampling_params.min_tokens for s in sampling):
@@ -404,6 +445,13 @@ class ModelRunner:
             state.token_ids.append(token)
             state.output_token_ids.append(token)
         return ModelRunnerOutput([s.req_id for s in sampling], tokens, self._logprobs_lists(sampling, logprobs))
+
+    @torch.inference_mode()
+    def run_staged(self, staged: StagedStep | None) -> None:
+        """Runs a step the driver rank staged, without sampling (a rank of a ``uni`` executor whose
+        only part in a step is its shard of the forward pass)."""
+        if staged is not None:
+            self._compute_logits(self._load(staged))
 
     @staticmethod
     def _logprobs_lists(sampling: list[CachedRequestState], logprobs) -> list | None:

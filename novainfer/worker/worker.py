@@ -2,7 +2,9 @@
 sizes and holds its part of the KV cache, and runs steps.
 
 Every rank runs every step on the same input; the tensor-parallel algorithm lives in the model's
-layers only. Rank 0's result is the one the executor returns.
+layers only. Rank 0's result is the one the executor returns. Ranks that are threads of one
+process (``uni``) get each step staged by the driver rank (:mod:`novainfer.worker.step_broadcast`);
+ranks that are processes each stage it from the scheduler output.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from novainfer.distributed import (
 )
 from novainfer.sample import SamplerOutput
 from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput, SequenceInput
+from novainfer.worker.step_broadcast import StepBroadcast
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class WorkerInfo:
 
 
 class Rank0Sampler(nn.Module):
-    """Samples, then makes every rank keep rank 0's tokens.
+    """Samples, then makes every rank keep rank 0's tokens (ranks that each sample, in ``mp``).
 
     Ranks compute identical logits, but random draws can differ between ranks (ranks that are
     threads of one process share the CPU generator); a rank that kept a different token would
@@ -63,8 +66,12 @@ class Rank0Sampler(nn.Module):
 
 class Worker:
     def __init__(self, config: EngineConfig, local_rank: int = 0, rank: int = 0,
-                 distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:
+                 distributed_init_method: str | None = None, is_driver_worker: bool = True,
+                 follows_driver_steps: bool = False) -> None:
+        """``follows_driver_steps``: the driver rank stages every step for all ranks (threads of one
+        process); only it then keeps request state and samples."""
         self.config = config
+        self.follows_driver_steps = follows_driver_steps
         self.local_rank = local_rank
         self.rank = rank
         self.distributed_init_method = distributed_init_method
@@ -98,7 +105,7 @@ class Worker:
         with tp_group_context(self.tp_group, vocab_parallel=self.config.parallel_config.enable_vocab_parallel):
             self.model_runner = ModelRunner(self.config.model_config, self.config.cache_config, self.device)
             self.model_runner.load_model()
-        if self.tp_group.world_size > 1:
+        if self.tp_group.world_size > 1 and not self.follows_driver_steps:
             self.model_runner.sampler = Rank0Sampler(self.model_runner.sampler, self.tp_group)
 
     def profile(self) -> int:
@@ -153,9 +160,23 @@ class Worker:
         sched = self.config.scheduler_config
         self.model_runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      step_broadcast: StepBroadcast | None = None) -> ModelRunnerOutput | None:
+        """Runs one step. With ``step_broadcast`` (ranks of one process), the driver stages the step
+        and publishes it there, and the other ranks run what it published and return None."""
         started = time.perf_counter()
-        output = self.model_runner.execute_model(scheduler_output)
+        runner = self.model_runner
+        if step_broadcast is None:
+            output = runner.execute_model(scheduler_output)
+        elif self.is_driver_worker:
+            try:
+                output = runner.execute_model(scheduler_output, on_staged=step_broadcast.publish)
+            except BaseException:
+                step_broadcast.abandon()
+                raise
+        else:
+            runner.run_staged(step_broadcast.wait())
+            output = None
         self.num_steps += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("worker step %d: rank=%d num_tokens=%d step_ms=%.2f", self.num_steps, self.rank,

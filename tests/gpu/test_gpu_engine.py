@@ -54,7 +54,7 @@ def test_graph_replay_matches_eager_decode_step(model_dir, num_seqs):
     runner.forward([SequenceInput(p, 0, t, "none") for p, t in zip(prompts, tables)])
     decode = [SequenceInput([7], len(p), t, "last") for p, t in zip(prompts, tables)]
     with torch.inference_mode():
-        graph_input = runner._stage(*runner._flatten(decode))
+        graph_input = runner._load(runner._stage(*runner._flatten(decode)))
         assert graph_input.graph_size == runner.graphs.padded_size(num_seqs)
         graph_logits = runner._compute_logits(graph_input).float().clone()
         eager_logits = runner._compute_logits(runner.prepare_inputs(decode)).float()
