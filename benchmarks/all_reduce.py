@@ -1,11 +1,13 @@
-"""All-reduce latency between the GPUs of one host: NCCL against NovaInfer's one-shot kernel.
+"""All-reduce latency between the GPUs of one host: NCCL against NovaInfer's custom kernels.
 
 Ranks are threads of this process, one GPU each, as in the ``uni`` executor (CuPy's NCCL
-communicators; the one-shot kernel reads its peers' buffers directly). Each case captures 56
+communicators; the custom kernels read their peers' buffers directly). Each case captures 56
 in-place sums of a ``rows x hidden`` bfloat16 tensor (two per decoder layer of a 28-layer model) in
 a CUDA graph on every rank; the time is the mean over replays, per all-reduce, as rank 0 sees it.
-Kernel variants (elements per program, warps, programs per multiprocessor) are timed to pick the
-defaults.
+Both custom kernels, one-shot and two-shot, are timed at every world size (the engine never runs
+the two-shot at two ranks; its column there is for comparison) in variants (elements per program,
+warps, programs per multiprocessor), to pick the defaults and the size from which the two-shot
+runs. One row per world size and row count: ``nccl_us``, then ``{one,two}_shot_us_b*_w*_p*``.
 
     python benchmarks/all_reduce.py [--world-sizes 2 4] [--rows 1 16 64 256 512] [--output NAME]
 """
@@ -13,6 +15,7 @@ defaults.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import threading
 import uuid
@@ -31,6 +34,8 @@ CALLS_PER_GRAPH = 56
 REPLAYS = 20
 # (elements per program and iteration, warps, programs per multiprocessor)
 VARIANTS = [(1024, 4, 1), (2048, 8, 1), (4096, 16, 1), (2048, 8, 2), (1024, 4, 4)]
+# Each kernel, by the two_shot_min_bytes that forces it.
+KERNELS = {"one_shot": math.inf, "two_shot": 0}
 
 
 def time_all_reduces(group, tensor: torch.Tensor, barrier: threading.Barrier) -> float:
@@ -77,9 +82,14 @@ def rank_main(rank: int, world: int, init_method: str, rows: list[int], hidden: 
             row = {"world_size": world, "rows": n, "bytes": tensor.nbytes,
                    "nccl_us": round(time_all_reduces(group, tensor, barrier), 2)}
             group.custom_all_reduce = custom
-            for block, warps, per_sm in VARIANTS:
-                custom.block, custom.num_warps, custom.max_programs = block, warps, sms * per_sm
-                row[f"custom_us_b{block}_w{warps}_p{per_sm}"] = round(time_all_reduces(group, tensor, barrier), 2)
+            # Every rank is idle between timings (time_all_reduces ends at a barrier after a
+            # synchronize), which changing the grid and the kernel needs.
+            for kernel, two_shot_min_bytes in KERNELS.items():
+                custom.two_shot_min_bytes = two_shot_min_bytes
+                for block, warps, per_sm in VARIANTS:
+                    custom.block, custom.num_warps, custom.max_programs = block, warps, sms * per_sm
+                    row[f"{kernel}_us_b{block}_w{warps}_p{per_sm}"] = round(
+                        time_all_reduces(group, tensor, barrier), 2)
             custom.max_programs = sms
             rows_out.append(row)
         return rows_out

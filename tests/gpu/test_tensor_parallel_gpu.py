@@ -10,6 +10,7 @@ there. Each rank caches only its KV heads: half the bytes per block of one GPU.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -178,10 +179,17 @@ def test_cupy_nccl_all_reduce_replays_in_cuda_graphs():
             assert torch.equal(tensor, torch.full((1024,), 4.0 * step + 6.0)), (step, tensor[:4])
 
 
-# ---- the one-shot custom all-reduce -------------------------------------------------------------
-def _custom_all_reduce_sums(group) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+# ---- the custom all-reduce: one-shot and two-shot kernels --------------------------------------
+# Each kernel forced by the smallest size of the two-shot, and the default choice by size, which
+# mixes both kernels on the same buffers at four ranks (the engine's case).
+TWO_SHOT_MIN_BYTES = {"one-shot": math.inf, "two-shot": 0, "by-size": None}
+
+
+def _custom_all_reduce_sums(group, two_shot_min_bytes: float | None) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """Sums of several sizes and dtypes, eagerly and replayed in a CUDA graph: (case, ours, inputs)."""
     assert group.enable_custom_all_reduce(), "no custom all-reduce between these GPUs"
+    if two_shot_min_bytes is not None:
+        group.custom_all_reduce.two_shot_min_bytes = two_shot_min_bytes
     device, results = group.device, []
     gen = torch.Generator(device).manual_seed(group.rank)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -191,23 +199,34 @@ def _custom_all_reduce_sums(group) -> list[tuple[str, torch.Tensor, torch.Tensor
             group.all_reduce(ours)
             results.append((f"{dtype} {numel}", ours.cpu(), x.cpu()))
     static = torch.zeros(256, 3584, dtype=torch.bfloat16, device=device)  # a decode step's hidden states
-    graph = _capture(device, lambda: group.all_reduce(static))
-    for step in range(3):
+    small = torch.zeros(3584, dtype=torch.bfloat16, device=device)  # one request's
+
+    def step() -> None:
+        group.all_reduce(static)
+        group.all_reduce(small)
+
+    graph = _capture(device, step)
+    for replay in range(3):
         x = torch.randn(static.shape, generator=gen, device=device).to(static.dtype)
+        y = torch.randn(small.shape, generator=gen, device=device).to(small.dtype)
         static.copy_(x)
+        small.copy_(y)
         graph.replay()
-        results.append((f"graph replay {step}", static.cpu(), x.cpu()))
+        results.append((f"graph replay {replay}, {static.numel()} elements", static.cpu(), x.cpu()))
+        results.append((f"graph replay {replay}, {small.numel()} elements", small.cpu(), y.cpu()))
     return results
 
 
+@pytest.mark.parametrize("kernel", list(TWO_SHOT_MIN_BYTES))
 @pytest.mark.parametrize("world", [2, 4])
-def test_custom_all_reduce_sums_in_rank_order_eagerly_and_in_graphs(world):
-    """Every rank gets the float32 sum of all ranks' inputs in rank order, rounded once: bit-equal."""
+def test_custom_all_reduce_sums_in_rank_order_eagerly_and_in_graphs(world, kernel):
+    """Every rank gets the float32 sum of all ranks' inputs in rank order, rounded once: bit-equal,
+    whichever kernel runs."""
     _needs_backend("uni")
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices")
-    ranks = run_thread_ranks(world, _custom_all_reduce_sums, backend="cupy-nccl",
-                             devices=[torch.device("cuda", i) for i in range(world)])
+    ranks = run_thread_ranks(world, lambda group: _custom_all_reduce_sums(group, TWO_SHOT_MIN_BYTES[kernel]),
+                             backend="cupy-nccl", devices=[torch.device("cuda", i) for i in range(world)])
     for results in ranks:
         assert not isinstance(results, BaseException), results
     for i, (case, _, _) in enumerate(ranks[0]):
