@@ -251,7 +251,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
                    help="uni: every rank a thread of this process; mp: a process per rank")
     g.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="every all-reduce through NCCL (default: small ones through the one-shot kernel)")
+                   help="every all-reduce through NCCL (default: small ones through the custom kernels)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -138,7 +138,7 @@ class ParallelConfig:
     ``use_single_process_tp``, ``tensor_parallel_device_ids`` (the GPU of each rank) and
     ``enable_vocab_parallel`` (split the embedding and LM head over the vocabulary, seed 000
     section 7.1.9; off: both are replicated on every rank). ``disable_custom_all_reduce`` (vLLM's
-    name) keeps every all-reduce on NCCL instead of the one-shot kernel for small GPU tensors.
+    name) keeps every all-reduce on NCCL instead of the custom kernels for small GPU tensors.
     """
 
     pipeline_parallel_size: int = 1

@@ -68,6 +68,8 @@ _NUM_WARPS = 8
 # Programs per multiprocessor; all of them must be resident at once (they wait for each other's peers).
 _PROGRAMS_PER_SM = 1
 _MAX_PROGRAMS_PER_SM = 4
+# Ranks a barrier serves (one lane each); larger groups keep to the group's backend.
+MAX_WORLD_SIZE: tl.constexpr = tl.constexpr(8)
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
@@ -94,17 +96,20 @@ def _barrier(signal_ptrs, pid, value, RANK: tl.constexpr, WORLD_SIZE: tl.constex
     """Meets program ``pid`` of every rank: releases this program's writes, acquires the peers'.
 
     Sets this rank's flag in every rank's array to ``value``, then waits until every flag in this
-    rank's array is at least ``value``. The difference is compared, not the values, so that the
-    wait stays right when the int32 flags wrap around.
+    rank's array is at least ``value``. One lane per peer does both, so the ranks' release fences
+    and flag polls overlap instead of running one after another. The difference is compared, not
+    the values, so that the wait stays right when the int32 flags wrap around.
     """
+    lanes = tl.arange(0, MAX_WORLD_SIZE)
+    live = lanes < WORLD_SIZE
     tl.debug_barrier()  # every thread's writes are done before the release
-    for peer in tl.static_range(WORLD_SIZE):
-        flags = tl.load(signal_ptrs + peer).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(flags + pid * WORLD_SIZE + RANK, value, sem="release", scope="sys")
-    own_flags = tl.load(signal_ptrs + RANK).to(tl.pointer_type(tl.int32)) + pid * WORLD_SIZE
-    for peer in tl.static_range(WORLD_SIZE):
-        while tl.atomic_add(own_flags + peer, 0, sem="acquire", scope="sys") - value < 0:
-            pass
+    peer_flags = tl.load(signal_ptrs + lanes, mask=live, other=0).to(tl.pointer_type(tl.int32))
+    tl.atomic_xchg(peer_flags + pid * WORLD_SIZE + RANK, value, mask=live, sem="release", scope="sys")
+    own_flags = tl.load(signal_ptrs + RANK).to(tl.pointer_type(tl.int32)) + pid * WORLD_SIZE + lanes
+    behind = 1
+    while behind > 0:
+        seen = tl.atomic_add(own_flags, 0, mask=live, sem="acquire", scope="sys")
+        behind = tl.sum(tl.where(live & (seen - value < 0), 1, 0))
     tl.debug_barrier()  # no thread reads the peers' data before the acquire
 
 
@@ -255,8 +260,9 @@ class CustomAllReduce:
 
     @staticmethod
     def is_possible(devices: list[int]) -> bool:
-        """Whether every pair of these GPUs can read each other's memory directly, and CuPy is there."""
-        if _cupy_runtime() is None:
+        """Whether every pair of these GPUs can read each other's memory directly, there are at most
+        MAX_WORLD_SIZE of them, and CuPy is there."""
+        if _cupy_runtime() is None or len(devices) > MAX_WORLD_SIZE:
             return False
         return all(torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices if a != b)
 

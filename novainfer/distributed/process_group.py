@@ -68,11 +68,11 @@ class ProcessGroup(ABC):
         self.ranks = list(ranks) if ranks is not None else list(range(world_size))
         self.device = device if device is not None else torch.device("cpu")
 
-    # The one-shot all-reduce of small sums (GPU groups; see enable_custom_all_reduce).
+    # The custom (one-shot or two-shot) all-reduce of small sums (GPU groups; see enable_custom_all_reduce).
     custom_all_reduce: CustomAllReduce | None = None
 
     def enable_custom_all_reduce(self, max_bytes: int | None = None) -> bool:
-        """Sets up the one-shot all-reduce when every GPU of the group can read the others' memory.
+        """Sets up the custom all-reduce when every GPU of the group can read the others' memory.
 
         Every rank calls it at once (it exchanges buffers); returns whether it is on. Off on CPU,
         for one rank, without CuPy, or without peer access between some pair of GPUs.
@@ -83,7 +83,7 @@ class ProcessGroup(ABC):
 
         devices = [int.from_bytes(b, "little") for b in self.all_gather_bytes(self.device.index.to_bytes(8, "little"))]
         if not CustomAllReduce.is_possible(devices):
-            logger.info("group %s: no custom all-reduce (GPUs %s cannot all access each other, or no CuPy); "
+            logger.info("group %s: no custom all-reduce (GPUs %s cannot all access each other, are more than 8, or no CuPy); "
                         "all-reduces use the group's backend", self.name, devices)
             return False
         self.custom_all_reduce = CustomAllReduce(self.rank, self.world_size, self.device, self.all_gather_bytes,
@@ -99,7 +99,7 @@ class ProcessGroup(ABC):
         return [flat[i * len(data):(i + 1) * len(data)] for i in range(self.world_size)]
 
     def close_custom_all_reduce(self) -> None:
-        """Releases the one-shot all-reduce's buffers (before the group itself goes)."""
+        """Releases the custom all-reduce's buffers (before the group itself goes)."""
         if self.custom_all_reduce is not None:
             self.custom_all_reduce.close()
             self.custom_all_reduce = None
@@ -115,7 +115,7 @@ class ProcessGroup(ABC):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpType = ReduceOpType.kSum,
                    async_op: bool = False) -> Work | None:
         """Reduces ``tensor`` over the ranks in place. Small sums between GPUs that read each other's
-        memory take the one-shot kernel once :meth:`enable_custom_all_reduce` succeeded."""
+        memory take a custom kernel once :meth:`enable_custom_all_reduce` succeeded."""
         fast = self.custom_all_reduce
         if fast is not None and op is ReduceOpType.kSum and fast.supports(tensor):
             self._run_collective("all_reduce", lambda: fast.all_reduce(tensor))

@@ -32,7 +32,7 @@ class EngineArgs:
     distributed_executor_backend: str = "uni"  # "uni" (ranks as threads of this process) or "mp"
     tensor_parallel_device_ids: list[int] | None = None  # the GPU of each rank; default 0..tp-1
     enable_vocab_parallel: bool = False  # split the embedding and LM head over the vocabulary
-    disable_custom_all_reduce: bool = False  # small GPU all-reduces through NCCL, not the one-shot kernel
+    disable_custom_all_reduce: bool = False  # small GPU all-reduces through NCCL, not the custom kernels
     log_stats_interval: float = 5.0
 
     @classmethod
