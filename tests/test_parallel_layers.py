@@ -576,6 +576,29 @@ def test_parallel_lm_head_gathers_logits_of_every_range(tp, vocab):
         torch.testing.assert_close(logits, F.linear(hidden, full), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tp,vocab", [(2, 10), (4, 5), (4, 12)])
+def test_split_lm_head_greedy_tokens_match_the_argmax_of_the_gathered_logits(tp, vocab):
+    """One (logit, id) pair per row and rank crosses the group; the padding columns of the last
+    range never win, and ties go to the lowest id as with argmax."""
+    logits = -1.0 - torch.rand(4, vocab, generator=torch.Generator().manual_seed(3))  # all negative
+    logits[1, [1, vocab - 1]] = 5.0  # a tie across two ranges: the lower id wins
+    logits[2, vocab - 1] = 7.0  # the best token is the last id (in the last non-empty range)
+    per = -(-vocab // tp)
+    heads = [ParallelLMHead(vocab, 3, tp_group=group(tp, rank), prefix="lm_head") for rank in range(tp)]
+    local = [F.pad(logits[:, start:end], (0, per - (end - start))) for start, end in vocab_ranges(vocab, tp)]
+    # First pass: what each rank sends; second pass: every rank receives all of them.
+    for head, rank_logits in zip(heads, local):
+        head.tp_group.on_all_gather = lambda output, tensor: output.zero_()
+        head.greedy_tokens(rank_logits)
+    sent = torch.cat([h.tp_group.recorded("all_gather")[0] for h in heads])
+    assert sent.shape == (tp * 4, 2)
+    for head, rank_logits in zip(heads, local):
+        head.tp_group.on_all_gather = lambda output, tensor: output.copy_(sent)
+        assert torch.equal(head.greedy_tokens(rank_logits), logits.argmax(dim=-1))
+        assert head.tp_group.count("all_gather") == 2 and len(head.tp_group.calls) == 2
+    assert logits.argmax(dim=-1)[1] == 1
+
+
 def test_vocab_parallel_single_rank_has_no_collectives():
     g = group(1, 0)
     full = traceable(7, 4)

@@ -434,11 +434,13 @@ def test_each_rank_caches_only_its_kv_heads(tp_model):
             llm.llm_engine.shutdown()
 
 
-def test_random_sampling_on_the_driver_rank_only(tp_model, prompts):
-    """Only the driver rank stages steps and samples; the other rank runs what it staged, so every
-    rank computes the driver's sequences. Checked through the sampled tokens' logprobs, which must
-    be transformers' for the same text, with the other rank's own staging and sampling disabled."""
-    llm = LLM(str(tp_model), tensor_parallel_size=2, **ENGINE)
+@pytest.mark.parametrize("vocab_parallel", [False, True])
+def test_random_sampling_on_the_driver_rank_only(tp_model, prompts, vocab_parallel):
+    """Only the driver rank stages steps and samples; the other rank runs what it staged (and its
+    part of gathering a split LM head's logits), so every rank computes the driver's sequences.
+    Checked through the sampled tokens' logprobs, which must be transformers' for the same text,
+    with the other rank's own staging and sampling disabled."""
+    llm = LLM(str(tp_model), tensor_parallel_size=2, enable_vocab_parallel=vocab_parallel, **ENGINE)
     try:
         follower = llm.llm_engine.executor.workers[1].model_runner
 

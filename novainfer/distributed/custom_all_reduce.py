@@ -62,7 +62,7 @@ import triton.language as tl
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 # From this many bytes, with more than two ranks, the two-shot kernel runs; benchmarks/all_reduce.py
 # times both kernels per size to set it.
-TWO_SHOT_MIN_BYTES = 512 * 1024
+TWO_SHOT_MIN_BYTES = 1024 * 1024
 _BLOCK = 2048
 _NUM_WARPS = 8
 # Programs per multiprocessor; all of them must be resident at once (they wait for each other's peers).

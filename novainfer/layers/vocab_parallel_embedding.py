@@ -3,7 +3,8 @@
 The vocabulary is cut into ``tp_size`` contiguous ranges of ``ceil(V / tp_size)`` rows; the last
 range is padded with zero rows. Embedding: each rank looks up the ids in its range, zeros the
 rest, and an all-reduce sums the partial embeddings. LM head: each rank computes the logits of its
-range and an all-gather concatenates them.
+range and an all-gather concatenates them; greedy decoding needs less: each rank finds the best
+token of its range and an all-gather of one (logit, id) pair per row picks the best of all.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from torch import nn
 
 from novainfer.distributed import ProcessGroup, get_tp_group
 from novainfer.layers.sharding import WeightShardError
+
+# Integers up to here are exact in float32 (greedy sends token ids in a float32 pair).
+_EXACT_FLOAT32_IDS = 2 ** 24
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -72,10 +76,42 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        """Logits [T, V] over the whole vocabulary, on every rank."""
+        return self.gather_logits(self.local_logits(hidden_states))
+
+    def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V / tp_size] of this rank's range (padding columns included); no collective."""
+        return F.linear(hidden_states, self.weight)
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's :meth:`local_logits` concatenated into [T, V] (one all-gather)."""
         if self.tp_size == 1:
-            return logits
-        gathered = torch.empty((self.tp_size, *logits.shape), dtype=logits.dtype, device=logits.device)
-        self.tp_group.all_gather(gathered.view(-1, logits.shape[-1]), logits.contiguous())
+            return local_logits
+        gathered = torch.empty((self.tp_size, *local_logits.shape), dtype=local_logits.dtype,
+                               device=local_logits.device)
+        self.tp_group.all_gather(gathered.view(-1, local_logits.shape[-1]), local_logits.contiguous())
         # [tp, T, V/tp] -> [T, tp * V/tp], then drop the padding rows of the last range.
-        return gathered.permute(1, 0, 2).reshape(logits.shape[0], -1)[:, :self.num_embeddings]
+        return gathered.permute(1, 0, 2).reshape(local_logits.shape[0], -1)[:, :self.num_embeddings]
+
+    def greedy_tokens(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """``gather_logits(local_logits).argmax(-1)`` (ties to the lowest id) without gathering the
+        logits: each rank's best (logit, id) per row, gathered, and the best of those."""
+        if self.tp_size == 1:
+            return local_logits.argmax(dim=-1)
+        if self.num_embeddings > _EXACT_FLOAT32_IDS:
+            raise ValueError(f"greedy over a split vocabulary sends token ids as float32, exact below "
+                             f"{_EXACT_FLOAT32_IDS}; {self.prefix!r} has {self.num_embeddings}")
+        num_rows, width = local_logits.shape[0], self.vocab_end_index - self.vocab_start_index
+        pairs = torch.empty(num_rows, 2, dtype=torch.float32, device=local_logits.device)
+        if width == 0:  # a range wholly past the end of a tiny vocabulary
+            pairs[:, 0], pairs[:, 1] = float("-inf"), 0.0
+        else:
+            own = local_logits[:, :width]
+            best = own.argmax(dim=-1, keepdim=True)
+            pairs[:, :1] = own.gather(-1, best)
+            pairs[:, 1:] = best + self.vocab_start_index
+        gathered = torch.empty(self.tp_size, num_rows, 2, dtype=torch.float32, device=local_logits.device)
+        self.tp_group.all_gather(gathered.view(-1, 2), pairs)
+        # argmax takes the first maximum: the lowest rank, whose range holds the lowest ids.
+        best_rank = gathered[:, :, 0].argmax(dim=0, keepdim=True)
+        return gathered[:, :, 1].gather(0, best_rank).squeeze(0).long()

@@ -25,6 +25,7 @@ import torch
 from novainfer.attention import AttentionBackend, AttentionMetadata
 from novainfer.attention.backends.selector import get_attn_backend
 from novainfer.config import CacheConfig, ModelConfig
+from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.core.sched.output import SchedulerOutput
 from novainfer.model_loader import load_model
 from novainfer.sample import Sampler, SamplingMetadata, make_generator
@@ -78,6 +79,9 @@ class StagedStep:
     seq_lens: np.ndarray
     graph_size: int | None  # the padded batch size of the graph to replay
     logits_are_all_rows: bool
+    # Whether the step's rows are all plain greedy: argmax instead of the sampler (and, under a
+    # split LM head, a gather of each rank's best token instead of the whole logits).
+    greedy: bool = False
 
 
 @dataclass
@@ -134,11 +138,16 @@ class ModelRunner:
         # The captured steps' metadata: its backend data (e.g. split-K workspaces) must live as
         # long as the graphs that use it.
         self._graph_metadata: dict[int, AttentionMetadata] = {}
+        # An LM head split over the vocabulary: steps end with each rank's logits of its range,
+        # gathered afterwards, or reduced to the greedy tokens without gathering the logits.
+        self._split_lm_head: ParallelLMHead | None = None
 
     # ---- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
         mc = self.model_config
         self.model = load_model(mc.model, mc.hf_config, mc.torch_dtype, self.device)
+        head = getattr(self.model, "lm_head", None)
+        self._split_lm_head = head if isinstance(head, ParallelLMHead) and head.tp_size > 1 else None
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of K and V for one block across every layer of this rank."""
@@ -192,7 +201,7 @@ class ModelRunner:
             metadata = self._graph_metadata[size] = self._decode_metadata(size)
             self.attn_backend.prepare(metadata)
             hidden = self.model(views["input_ids"][:size], views["positions"][:size], metadata)
-            return self.model.compute_logits(hidden)
+            return self._head_output(hidden)
 
         self.graphs.capture(sizes, run_step, self.device)
 
@@ -235,7 +244,8 @@ class ModelRunner:
             backend=self.attn_backend)
 
     def _stage(self, input_ids: np.ndarray, query_lens: np.ndarray, start_pos: np.ndarray,
-               block_tables: np.ndarray, logits_indices: np.ndarray, allow_graph: bool = True) -> StagedStep:
+               block_tables: np.ndarray, logits_indices: np.ndarray, allow_graph: bool = True,
+               greedy: bool = False) -> StagedStep:
         """Writes a step's inputs into the host staging buffer (no device work).
 
         ``block_tables`` is [num_seqs, n] with n >= every sequence's block count.
@@ -265,7 +275,7 @@ class ModelRunner:
             self._fill_padding(num_seqs, graph_size)
         all_rows = len(logits_indices) == num_tokens and bool((logits_indices == np.arange(num_tokens)).all())
         return StagedStep(self.buffers, self.buffers.block_table_rows_end(rows), num_tokens, num_seqs,
-                          len(logits_indices), query_lens, seq_lens, graph_size, all_rows)
+                          len(logits_indices), query_lens, seq_lens, graph_size, all_rows, greedy)
 
     def _load(self, staged: StagedStep) -> ModelInput:
         """Copies a staged step (this runner's or the driver rank's) to the device; returns its inputs."""
@@ -324,8 +334,25 @@ class ModelRunner:
         return input_ids, query_lens, start_pos, block_tables, logits_indices
 
     # ---- running a step ----------------------------------------------------------------------
+    def _head_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a step ends with: the logits, or this rank's range of them under a split LM head."""
+        if self._split_lm_head is not None:
+            return self._split_lm_head.local_logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def _full_logits(self, head_output: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary from a step's head output."""
+        if self._split_lm_head is not None:
+            return self._split_lm_head.gather_logits(head_output)
+        return head_output
+
+    def _greedy_tokens(self, head_output: torch.Tensor) -> torch.Tensor:
+        if self._split_lm_head is not None:
+            return self._split_lm_head.greedy_tokens(head_output)
+        return head_output.argmax(dim=-1)
+
     def _compute_logits(self, model_input: ModelInput) -> torch.Tensor:
-        """Logits [rows requested, vocab] in the model's dtype."""
+        """The head output (see :meth:`_head_output`) of the rows requested, in the model's dtype."""
         if model_input.graph_size is not None:
             logits = self.graphs.replay(model_input.graph_size)
             if model_input.logits_are_all_rows:
@@ -334,7 +361,7 @@ class ModelRunner:
         hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
         if not model_input.logits_are_all_rows:
             hidden = hidden[model_input.logits_indices]
-        return self.model.compute_logits(hidden)
+        return self._head_output(hidden)
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
@@ -342,7 +369,7 @@ class ModelRunner:
 
         Decode-only steps replay a CUDA graph when one was captured.
         """
-        return self._compute_logits(self._load(self._stage(*self._flatten(seqs)))).float()
+        return self._full_logits(self._compute_logits(self._load(self._stage(*self._flatten(seqs))))).float()
 
     # ---- engine steps ------------------------------------------------------------------------
     def _take_row(self) -> int:
@@ -423,22 +450,23 @@ class ModelRunner:
                 sampling_seqs.append(i)
         max_blocks = -(-int((start_pos + query_lens).max()) // self.block_size)
         logits_indices = np.cumsum(query_lens)[sampling_seqs] - 1
+        greedy = all(s.plain_greedy and len(s.output_token_ids) >= s.sampling_params.min_tokens for s in sampling)
         staged = self._stage(np.asarray(input_ids, dtype=np.int64), query_lens, start_pos,
-                             self.block_table_rows[rows, :max_blocks], logits_indices)
+                             self.block_table_rows[rows, :max_blocks], logits_indices, greedy=greedy)
         if on_staged is not None:
             on_staged(staged)
-        logits = self._compute_logits(self._load(staged))
+        head_output = self._compute_logits(self._load(staged))
         if not sampling:
             return ModelRunnerOutput([], [])
-        if all(s.plain_greedy and len(s.output_token_ids) >= s.sampling_params.min_tokens for s in sampling):
-            sampled, logprobs = logits.argmax(dim=-1), None
+        if greedy:
+            sampled, logprobs = self._greedy_tokens(head_output), None
         else:
             metadata = SamplingMetadata.from_requests(
                 [s.sampling_params for s in sampling], [s.output_token_ids for s in sampling],
                 [s.prompt_token_ids if s.sampling_params.repetition_penalty != 1.0 else [] for s in sampling],
                 [self.generators.get(s.req_id) for s in sampling], self.device,
                 self.model_config.vocab_size)
-            out = self.sampler(logits.float(), metadata)
+            out = self.sampler(self._full_logits(head_output).float(), metadata)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
         tokens = sampled.tolist()  # the step's one device-to-host sync
         for state, token in zip(sampling, tokens):
@@ -449,9 +477,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run_staged(self, staged: StagedStep | None) -> None:
         """Runs a step the driver rank staged, without sampling (a rank of a ``uni`` executor whose
-        only part in a step is its shard of the forward pass)."""
-        if staged is not None:
-            self._compute_logits(self._load(staged))
+        only part in a step is its shard of the forward pass, and of the LM head's collectives)."""
+        if staged is None:
+            return
+        head_output = self._compute_logits(self._load(staged))
+        if self._split_lm_head is not None and staged.num_logits:
+            # The collectives the driver's sampling path runs, with the driver's choice of path.
+            (self._greedy_tokens if staged.greedy else self._full_logits)(head_output)
 
     @staticmethod
     def _logprobs_lists(sampling: list[CachedRequestState], logprobs) -> list | None:

@@ -103,6 +103,23 @@ def test_tp2_bf16_greedy_equal_to_one_gpu_until_a_near_tie(model_dir, prompts, s
         assert gap < 2 * bf16_noise, f"diverged at token {diverge} with a float32 logit gap of {gap}"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_lm_head_greedy_picks_the_argmax_of_the_gathered_logits(model_dir, prompts, backend):
+    """Under a vocabulary-split LM head, plain greedy steps gather one (logit, id) pair per row and
+    rank instead of the logits, after the decode graphs; asking for logprobs takes the path that
+    gathers the whole logits. From the same head outputs both must pick the same tokens."""
+    _needs_backend(backend)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend=backend,
+              enable_vocab_parallel=True, **ENGINE)
+    try:
+        plain = _greedy(llm, prompts)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert plain == [o.outputs[0].token_ids for o in outputs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 # Run on each rank through collective_rpc (in the worker processes too, hence module level).
 def _rank_kv(worker) -> tuple[str, int, int]:
     layers = worker.model_runner.model.attention_layers()
