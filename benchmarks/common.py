@@ -252,6 +252,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="uni: every rank a thread of this process; mp: a process per rank")
     g.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="every all-reduce through NCCL (default: small ones through the custom kernels)")
+    g.add_argument("--enable-vocab-parallel", action="store_true",
+                   help="split the embedding and LM head over the vocabulary (default: replicated)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -261,7 +263,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               "gpu_memory_utilization": args.gpu_memory_utilization,
               "tensor_parallel_size": args.tensor_parallel_size,
               "distributed_executor_backend": args.distributed_executor_backend,
-              "disable_custom_all_reduce": args.disable_custom_all_reduce}
+              "disable_custom_all_reduce": args.disable_custom_all_reduce,
+              "enable_vocab_parallel": args.enable_vocab_parallel}
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     return kwargs
