@@ -107,10 +107,11 @@ def test_tp2_bf16_greedy_equal_to_one_gpu_until_a_near_tie(model_dir, prompts, s
 def test_split_lm_head_greedy_picks_the_argmax_of_the_gathered_logits(model_dir, prompts, backend):
     """Under a vocabulary-split LM head, plain greedy steps gather one (logit, id) pair per row and
     rank instead of the logits, after the decode graphs; asking for logprobs takes the path that
-    gathers the whole logits. From the same head outputs both must pick the same tokens."""
+    gathers the whole logits. From the same head outputs both must pick the same tokens (no prefix
+    cache: the second run must compute exactly what the first did)."""
     _needs_backend(backend)
     llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend=backend,
-              enable_vocab_parallel=True, **ENGINE)
+              enable_vocab_parallel=True, enable_prefix_caching=False, **ENGINE)
     try:
         plain = _greedy(llm, prompts)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
