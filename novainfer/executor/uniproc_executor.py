@@ -4,7 +4,8 @@ With one rank the worker runs on the calling thread. With several, each rank has
 thread of its own, so that its thread-local TP group and CUDA device stay bound to it and the
 ranks' collectives run concurrently. A call goes to every rank thread and waits for all of them
 (lock-step); ranks meet through in-process groups under one ``inproc://`` rendezvous per engine.
-In a step only the driver rank stages inputs and samples; the others run what it staged
+In a step only the driver rank stages inputs and samples; the others run what it staged, or the
+driver launches a decode step's graphs on every device itself
 (:class:`~novainfer.worker.step_broadcast.StepBroadcast`), so the ranks' host work does not add
 up under the GIL.
 """
@@ -60,7 +61,7 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not self._rank_threads:
             return super().execute_model(scheduler_output)
-        broadcast = StepBroadcast(self.execute_model_timeout_s)
+        broadcast = StepBroadcast(self.execute_model_timeout_s, [w.model_runner for w in self.workers[1:]])
         return self.collective_rpc("execute_model", (scheduler_output, broadcast), unique_reply_rank=0,
                                    timeout_s=self.execute_model_timeout_s)[0]
 

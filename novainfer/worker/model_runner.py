@@ -474,6 +474,11 @@ class ModelRunner:
             state.output_token_ids.append(token)
         return ModelRunnerOutput([s.req_id for s in sampling], tokens, self._logprobs_lists(sampling, logprobs))
 
+    def is_replay_only(self, staged: StagedStep) -> bool:
+        """Whether running ``staged`` here is a copy and a CUDA-graph replay, with no collective
+        issued from the host: then any thread may launch it."""
+        return staged.graph_size is not None and not (self._split_lm_head is not None and staged.num_logits)
+
     @torch.inference_mode()
     def run_staged(self, staged: StagedStep | None) -> None:
         """Runs a step the driver rank staged, without sampling (a rank of a ``uni`` executor whose

@@ -5,27 +5,44 @@ output, keep their own copy of every request, and sample tokens that only rank 0
 host work runs under one GIL, so it would add up over the ranks. The driver rank stages the step
 into its pinned host buffer and publishes it here; every other rank copies those bytes to its own
 device and runs its shard of the forward pass.
+
+A step that is only a copy and a CUDA-graph replay on every rank (a decode step: its collectives
+are inside the graphs) the driver launches on every device itself, from its own thread, so that
+no rank waits for another rank's thread to get the GIL; the other ranks then have nothing to do.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+
+import torch
 
 from novainfer.distributed import CollectiveAbortedError
-from novainfer.worker.model_runner import StagedStep
+from novainfer.worker.model_runner import ModelRunner, StagedStep
 
 
 class StepBroadcast:
-    """One step's hand-off from the driver rank to the others: published once, read by each."""
+    """One step's hand-off from the driver rank to the others: published once, read by each.
 
-    def __init__(self, timeout_s: float) -> None:
+    ``followers``: the other ranks' runners, for the steps the driver launches on their devices.
+    """
+
+    def __init__(self, timeout_s: float, followers: Sequence[ModelRunner] = ()) -> None:
         self.timeout_s = timeout_s
+        self.followers = list(followers)
         self._ready = threading.Event()
         self._step: StagedStep | None = None
         self._abandoned = False
 
     def publish(self, step: StagedStep | None) -> None:
-        """Makes the step (None: an empty step, nothing to run) available to the waiting ranks."""
+        """Makes the step (None: an empty step, nothing to run) available to the waiting ranks, or
+        launches it on their devices when it is a graph replay only."""
+        if step is not None and self.followers and all(r.is_replay_only(step) for r in self.followers):
+            for runner in self.followers:
+                with torch.cuda.device(runner.device):
+                    runner.run_staged(step)
+            step = None  # launched: the waiting ranks have nothing left to run
         self._step = step
         self._ready.set()
 

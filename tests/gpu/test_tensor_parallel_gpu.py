@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -119,6 +120,30 @@ def test_split_lm_head_greedy_picks_the_argmax_of_the_gathered_logits(model_dir,
         assert plain == [o.outputs[0].token_ids for o in outputs]
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_uni_driver_launches_the_decode_graphs_of_every_rank(tp2, prompts):
+    """In ``uni`` the driver's thread copies a decode step and replays its graph on the other GPU
+    too (no host collective in it); eager steps run on each rank's own thread."""
+    if tp2.llm_engine.config.parallel_config.distributed_executor_backend != "uni":
+        pytest.skip("only the uni executor has every rank in one process")
+    follower = tp2.llm_engine.executor.workers[1].model_runner
+    calls: list[tuple[str, bool]] = []
+    run_staged = follower.run_staged
+
+    def recording(staged):
+        calls.append((threading.current_thread().name, staged is not None and staged.graph_size is not None))
+        return run_staged(staged)
+
+    follower.run_staged = recording
+    try:
+        _greedy(tp2, prompts)
+    finally:
+        del follower.run_staged
+    graph_steps = [name for name, is_graph in calls if is_graph]
+    assert len(graph_steps) >= MAX_TOKENS - 1
+    assert all(name.startswith("novainfer-rank0") for name in graph_steps)
+    assert all(name.startswith("novainfer-rank1") for name, is_graph in calls if not is_graph)
 
 
 # Run on each rank through collective_rpc (in the worker processes too, hence module level).
