@@ -120,9 +120,10 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             print(row, flush=True)
         results.extend(rows)
-    write_results(args.output or "all_reduce_cuda", {"benchmark": "all-reduce latency (CUDA graph replays)", "machine": machine_info("cuda"),
-                                "commit": git_commit(), "command": command_line(argv), "calls_per_graph":
-                                CALLS_PER_GRAPH, "replays": REPLAYS, "dtype": "bfloat16", "results": results},
+    write_results(args.output or "all_reduce_cuda",
+                  {"benchmark": "all-reduce latency (CUDA graph replays)", "machine": machine_info("cuda"),
+                   "commit": git_commit(), "command": command_line(argv), "calls_per_graph": CALLS_PER_GRAPH,
+                   "replays": REPLAYS, "dtype": "bfloat16", "results": results},
                   args.results_dir)
 
 

@@ -79,12 +79,13 @@ class ProcessGroup(ABC):
         """
         if self.device.type != "cuda" or self.world_size == 1:
             return False
-        from novainfer.distributed.custom_all_reduce import DEFAULT_MAX_BYTES, CustomAllReduce
+        from novainfer.distributed.custom_all_reduce import DEFAULT_MAX_BYTES, MAX_WORLD_SIZE, CustomAllReduce
 
         devices = [int.from_bytes(b, "little") for b in self.all_gather_bytes(self.device.index.to_bytes(8, "little"))]
         if not CustomAllReduce.is_possible(devices):
-            logger.info("group %s: no custom all-reduce (GPUs %s cannot all access each other, are more than 8, or no CuPy); "
-                        "all-reduces use the group's backend", self.name, devices)
+            logger.info("group %s: no custom all-reduce (GPUs %s cannot all access each other, are more than its "
+                        "%d ranks, or no CuPy); all-reduces use the group's backend", self.name, devices,
+                        MAX_WORLD_SIZE)
             return False
         self.custom_all_reduce = CustomAllReduce(self.rank, self.world_size, self.device, self.all_gather_bytes,
                                                  max_bytes or DEFAULT_MAX_BYTES)

@@ -25,8 +25,8 @@ import torch
 from novainfer.attention import AttentionBackend, AttentionMetadata
 from novainfer.attention.backends.selector import get_attn_backend
 from novainfer.config import CacheConfig, ModelConfig
-from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.core.sched.output import SchedulerOutput
+from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.model_loader import load_model
 from novainfer.sample import Sampler, SamplingMetadata, make_generator
 from novainfer.sampling_params import SamplingParams
