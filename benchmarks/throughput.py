@@ -236,6 +236,7 @@ class NovaInferRunner:
                                self.engine.config.parallel_config.distributed_executor_backend,
                            "disable_custom_all_reduce": self.engine.config.parallel_config.disable_custom_all_reduce,
                            "enable_vocab_parallel": self.engine.config.parallel_config.enable_vocab_parallel,
+                           "async_scheduling": sched.async_scheduling,
                            "kv_cache_blocks": self.engine.kv_cache_manager.num_blocks,
                            "block_size": cache.block_size, "enable_prefix_caching": cache.enable_prefix_caching},
                 "note": "overhead = step time outside executor.execute_model (scheduling + output "

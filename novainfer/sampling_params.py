@@ -208,6 +208,11 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the tokens generated so far (presence, frequency, repetition)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
     def sampling_type(self) -> SamplingType:
         if self.is_greedy:
             return SamplingType.GREEDY

@@ -90,6 +90,9 @@ BATCH_CONFIGS = {
     "preemption_chunked_no_prefix_cache": dict(block_size=4, num_gpu_blocks_override=20,
                                                max_num_batched_tokens=7, enable_prefix_caching=False),
 }
+# The same with each step scheduled and launched before the previous one's tokens are fetched.
+BATCH_CONFIGS.update({f"{name}_async": dict(config, async_scheduling=True) for name, config in list(BATCH_CONFIGS.items())
+                      if name != "default"})
 
 
 @pytest.mark.parametrize("config", list(BATCH_CONFIGS), ids=list(BATCH_CONFIGS))

@@ -256,7 +256,7 @@ def make_request() -> Request:
     ([RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH_CAPPED], RequestStatus.FINISHED_LENGTH_CAPPED),
     ([RequestStatus.RUNNING], RequestStatus.RUNNING),
     ([RequestStatus.RUNNING], RequestStatus.FINISHED_IGNORED),
-    ([RequestStatus.RUNNING, RequestStatus.PREEMPTED], RequestStatus.FINISHED_STOPPED),
+    ([RequestStatus.RUNNING, RequestStatus.PREEMPTED], RequestStatus.WAITING),
     ([RequestStatus.RUNNING, RequestStatus.PREEMPTED], RequestStatus.PREEMPTED),
 ])
 def test_illegal_status_transitions_raise(path, illegal):

@@ -15,9 +15,10 @@ from novainfer import LLM, SamplingParams
 from tests.utils import SMALL_KV, hf_greedy, hf_logits, random_ids
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), block_size=4, kv_cache_memory_bytes=SMALL_KV)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+def llm(model_dir, request):
+    """Each test runs with each step fetched before the next is scheduled, and pipelined."""
+    return LLM(str(model_dir), block_size=4, kv_cache_memory_bytes=SMALL_KV, async_scheduling=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,10 @@ def model_dir(tokenizer):
     return qwen2_tokenizer_model()
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), block_size=16, num_gpu_blocks_override=64)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+def llm(model_dir, request):
+    """Each test runs with each step fetched before the next is scheduled, and pipelined."""
+    return LLM(str(model_dir), block_size=16, num_gpu_blocks_override=64, async_scheduling=request.param)
 
 
 @pytest.fixture(scope="module")

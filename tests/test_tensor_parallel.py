@@ -337,9 +337,11 @@ def greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
 
-@pytest.mark.parametrize("tp, vocab_parallel", [(2, False), (4, False), (2, True), (4, True)])
-def test_uni_greedy_matches_single_rank(tp_model, prompts, expected, tp, vocab_parallel):
-    llm = LLM(str(tp_model), tensor_parallel_size=tp, enable_vocab_parallel=vocab_parallel, **ENGINE)
+@pytest.mark.parametrize("tp, vocab_parallel, async_scheduling", [
+    (2, False, False), (4, False, False), (2, True, False), (4, True, False), (2, False, True), (4, True, True)])
+def test_uni_greedy_matches_single_rank(tp_model, prompts, expected, tp, vocab_parallel, async_scheduling):
+    llm = LLM(str(tp_model), tensor_parallel_size=tp, enable_vocab_parallel=vocab_parallel,
+              async_scheduling=async_scheduling, **ENGINE)
     try:
         executor = llm.llm_engine.executor
         assert [w.rank for w in executor.workers] == list(range(tp))
@@ -434,13 +436,15 @@ def test_each_rank_caches_only_its_kv_heads(tp_model):
             llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("vocab_parallel", [False, True])
-def test_random_sampling_on_the_driver_rank_only(tp_model, prompts, vocab_parallel):
+@pytest.mark.parametrize("vocab_parallel, async_scheduling", [(False, False), (True, False), (True, True)])
+def test_random_sampling_on_the_driver_rank_only(tp_model, prompts, vocab_parallel, async_scheduling):
     """Only the driver rank stages steps and samples; the other rank runs what it staged (and its
     part of gathering a split LM head's logits), so every rank computes the driver's sequences.
     Checked through the sampled tokens' logprobs, which must be transformers' for the same text,
-    with the other rank's own staging and sampling disabled."""
-    llm = LLM(str(tp_model), tensor_parallel_size=2, enable_vocab_parallel=vocab_parallel, **ENGINE)
+    with the other rank's own staging and sampling disabled. With async scheduling the other rank
+    reads the tokens of the step before from the driver's device."""
+    llm = LLM(str(tp_model), tensor_parallel_size=2, enable_vocab_parallel=vocab_parallel,
+              async_scheduling=async_scheduling, **ENGINE)
     try:
         follower = llm.llm_engine.executor.workers[1].model_runner
 
@@ -502,7 +506,7 @@ def test_a_driver_failing_before_staging_releases_the_other_ranks(tp_model, prom
         greedy_tokens(llm, prompts[:1])
         executor = llm.llm_engine.executor
 
-        def boom(scheduler_output, on_staged=None):
+        def boom(*args, **kwargs):
             raise RuntimeError("injected failure")
 
         executor.workers[0].model_runner.execute_model = boom

@@ -77,6 +77,20 @@ def test_mp_random_sampling_keeps_ranks_in_step(mp_tp2, tp_model, prompts):
     check_random_sampling(mp_tp2, tp_model, prompts[:2])
 
 
+def test_mp_async_scheduling_matches_single_rank(tp_model, prompts, expected):
+    """Every rank takes the tokens of the step in flight from its own device (rank 0's, which
+    each rank received with the sampled tokens)."""
+    llm = LLM(str(tp_model), tensor_parallel_size=2, distributed_executor_backend="mp", async_scheduling=True,
+              **ENGINE)
+    executor = llm.llm_engine.executor
+    try:
+        assert greedy_tokens(llm, prompts) == expected
+        check_random_sampling(llm, tp_model, prompts[:2])
+    finally:
+        llm.llm_engine.shutdown()
+    assert_workers_gone(executor)
+
+
 def test_gloo_group_collectives_match_pytorch(mp_tp2):
     """Every collective of the workers' Gloo group (sync and async) against PyTorch, on both ranks."""
     executor = mp_tp2.llm_engine.executor

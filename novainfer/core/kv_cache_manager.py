@@ -13,8 +13,10 @@ Scheduler protocol, per request:
 everything as it was, so the scheduler may preempt someone and retry.
 
 The manager counts the tokens each request has been given slots for and
-assumes all of them are computed before the next ``allocate_slots`` call for
-that request (a synchronous engine without speculative decoding).
+treats all of them as computed at the next ``allocate_slots`` call for that
+request (their step may still be running on the device: later steps run after
+it). Only blocks whose tokens are all known are hashed, so a block holding a
+token that is still being sampled becomes hittable at a later call.
 """
 
 from collections.abc import Sequence

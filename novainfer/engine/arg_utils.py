@@ -27,6 +27,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # Schedule and launch each step before the previous one's tokens reach the host, so that the
+    # host's work overlaps the device's. None: on for GPUs (a CPU computes while it schedules).
+    async_scheduling: bool | None = None
     attention_backend: str | None = None  # "torch" or "triton"; default: the fastest for the device
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # "uni" (ranks as threads of this process) or "mp"
@@ -58,7 +61,9 @@ class EngineArgs:
                                    enable_prefix_caching=self.enable_prefix_caching)
         max_batched = self.max_num_batched_tokens or max(8192, model_config.max_model_len)
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=self.max_num_seqs,
-                                           max_model_len=model_config.max_model_len)
+                                           max_model_len=model_config.max_model_len,
+                                           async_scheduling=(device.type == "cuda" if self.async_scheduling is None
+                                                             else self.async_scheduling))
         parallel_config = normalize_parallel_config(ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,

@@ -11,12 +11,14 @@ from typing import Any
 
 from novainfer.config import EngineConfig
 from novainfer.core.kv_cache_manager import KVCacheManager
+from novainfer.core.sched.output import SchedulerOutput
 from novainfer.core.sched.scheduler import Scheduler
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.engine.output_processor import OutputProcessor
 from novainfer.engine.request import Request, RequestStatus
 from novainfer.executor.abstract import Executor
 from novainfer.outputs import RequestOutput
+from novainfer.worker.model_runner import ModelRunnerOutput
 from novainfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
+        # The step left running by the last step() call (async scheduling), and outputs of a step
+        # fetched outside step() (see add_request), which the next step() returns.
+        self._in_flight: SchedulerOutput | None = None
+        self._early_outputs: list[RequestOutput] = []
         self.log_stats_interval = log_stats_interval
         self._last_log = (time.monotonic(), 0, 0)
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d",
@@ -126,6 +132,11 @@ class LLMEngine:
             child_params.update_from_generation_config(self.eos_token_ids)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             children.append(Request(child_id, token_ids, child_params, max_tokens, arrival_time, text))
+        if self._in_flight is not None and any(c.request_id in self._in_flight.num_scheduled_tokens
+                                               for c in children):
+            # The id was just freed by a request whose last step is still running: fetch that
+            # step first, so that its token cannot be taken for this request's.
+            self._early_outputs += self._fetch_in_flight()
         self.output_processor.add_request(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -152,29 +163,61 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the outputs of the requests that got tokens.
+
+        With ``async_scheduling`` the step is left running and the call returns the tokens of the
+        step before, which the host fetches and processes while the device runs this one. A step
+        with penalties (which read every earlier token on the host) is fetched by its own call.
+        """
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
+        if scheduler_output.is_empty and self._in_flight is None:
+            return self._take_early_outputs()
+        pipelined = self._can_pipeline(scheduler_output)
         model_started = time.perf_counter()
-        runner_output = self.executor.execute_model(scheduler_output)
+        runner_outputs = self.executor.execute_model(scheduler_output, pipelined)
         model_time = time.perf_counter() - model_started
-        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs or ()))
-        updated = self.scheduler.update_from_output(scheduler_output, sampled)
+        self._in_flight = scheduler_output if pipelined else None
+        outputs, num_generated = self._process_outputs(runner_outputs)
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            self._fetch_in_flight()  # its requests are all finished; leave the workers idle
+        self._record_step(scheduler_output, num_generated, time.perf_counter() - started, model_time)
+        return self._take_early_outputs() + outputs
 
-        touched: dict[str, None] = {}
-        for request in updated:
-            status = self.scheduler.check_stop(request)
-            status = self.output_processor.process_token(request, status, logprobs.get(request.request_id))
-            if status is not None:
-                self.scheduler.finish_requests(request.request_id, status)
-                self.stats.finished_requests_total[request.get_finished_reason()] += 1
-            if self.output_processor.wants_output(request.request_id, status is not None):
-                touched[self.output_processor.parent_of(request.request_id)] = None
-        outputs = [self.output_processor.make_output(pid) for pid in touched]
-        self._record_step(scheduler_output, len(updated), time.perf_counter() - started, model_time)
+    def _can_pipeline(self, scheduler_output: SchedulerOutput) -> bool:
+        if not self.scheduler.config.async_scheduling or scheduler_output.is_empty:
+            return False
+        requests = self.scheduler.requests
+        return not any(requests[rid].sampling_params.has_penalties for rid in scheduler_output.num_scheduled_tokens)
+
+    def _fetch_in_flight(self) -> list[RequestOutput]:
+        """Waits for the step in flight and processes its tokens."""
+        self._in_flight = None
+        empty = SchedulerOutput([], [], {}, 0)
+        return self._process_outputs(self.executor.execute_model(empty))[0]
+
+    def _take_early_outputs(self) -> list[RequestOutput]:
+        outputs, self._early_outputs = self._early_outputs, []
         return outputs
+
+    def _process_outputs(self, runner_outputs: list[ModelRunnerOutput]) -> tuple[list[RequestOutput], int]:
+        """Adds sampled tokens to their requests (oldest step first), applies stop conditions and
+        detokenizes; returns the outputs of the parents that changed and the number of tokens."""
+        touched: dict[str, None] = {}
+        num_generated = 0
+        for runner_output in runner_outputs:
+            logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs or ()))
+            updated = self.scheduler.update_from_output(runner_output.req_ids, runner_output.sampled_token_ids)
+            num_generated += len(updated)
+            for request in updated:
+                status = self.scheduler.check_stop(request)
+                status = self.output_processor.process_token(request, status, logprobs.get(request.request_id))
+                if status is not None:
+                    self.scheduler.finish_requests(request.request_id, status)
+                    self.stats.finished_requests_total[request.get_finished_reason()] += 1
+                if self.output_processor.wants_output(request.request_id, status is not None):
+                    touched[self.output_processor.parent_of(request.request_id)] = None
+        return [self.output_processor.make_output(pid) for pid in touched], num_generated
 
     def _record_step(self, scheduler_output, num_generated: int, step_time: float, model_time: float) -> None:
         s = self.stats

@@ -42,7 +42,9 @@ _ALLOWED_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
                             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED},
     RequestStatus.WAITING_FOR_REMOTE_KVS: {RequestStatus.WAITING, RequestStatus.FINISHED_ABORTED},
     RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED - {RequestStatus.FINISHED_IGNORED},
-    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED,
+    # A request preempted while its last token was in flight finishes if that token ends it.
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED,
+                              RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED,
                               RequestStatus.FINISHED_IGNORED},
 }
 
@@ -65,6 +67,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose values are not known yet (a step in flight): the
+        # scheduler counts them as part of the sequence, and the workers read them on the device.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -81,6 +86,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
@@ -101,6 +110,9 @@ class Request:
             self.metrics.finished_time = now
 
     def append_output_token(self, token_id: int) -> None:
+        """Records a sampled token (the value of the oldest placeholder, if any)."""
+        if self.num_output_placeholders:
+            self.num_output_placeholders -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         now = time.time()

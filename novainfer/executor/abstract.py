@@ -108,9 +108,11 @@ class Executor(ABC):
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=0,
-                                   timeout_s=self.execute_model_timeout_s)[0]
+    def execute_model(self, scheduler_output: SchedulerOutput, pipelined: bool = False) -> list[ModelRunnerOutput]:
+        """Runs a step on every rank; returns rank 0's outputs of the steps fetched meanwhile,
+        oldest first. With ``pipelined`` the step stays in flight: the next call returns it."""
+        return self.collective_rpc("execute_model", (scheduler_output,), {"pipelined": pipelined},
+                                   unique_reply_rank=0, timeout_s=self.execute_model_timeout_s)[0]
 
     def check_health(self) -> None:
         self.collective_rpc("check_health")

@@ -58,11 +58,11 @@ class UniProcExecutor(Executor):
         """Rank 0's worker, whose results the executor returns."""
         return self.workers[0]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, pipelined: bool = False) -> list[ModelRunnerOutput]:
         if not self._rank_threads:
-            return super().execute_model(scheduler_output)
+            return super().execute_model(scheduler_output, pipelined)
         broadcast = StepBroadcast(self.execute_model_timeout_s, [w.model_runner for w in self.workers[1:]])
-        return self.collective_rpc("execute_model", (scheduler_output, broadcast), unique_reply_rank=0,
+        return self.collective_rpc("execute_model", (scheduler_output, broadcast, pipelined), unique_reply_rank=0,
                                    timeout_s=self.execute_model_timeout_s)[0]
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),

@@ -65,17 +65,22 @@ class SamplingMetadata:
         generators: list[torch.Generator | None],
         device: torch.device | str,
         vocab_size: int,
+        num_output_tokens: list[int] | None = None,
     ) -> SamplingMetadata:
         """Build the metadata for one step; list index i describes logits row i.
 
         Token ids must be in [0, vocab_size). A row whose params have a seed
         (and are not greedy) must come with its generator (see make_generator).
+        ``num_output_tokens`` counts each row's generated tokens for ``min_tokens``
+        (default: the lengths of ``output_token_ids``, which may lack a token
+        still being sampled when no row has penalties).
         """
         batch_size = len(params)
         for name, values in (
             ("output_token_ids", output_token_ids),
             ("prompt_token_ids", prompt_token_ids),
             ("generators", generators),
+            ("num_output_tokens", output_token_ids if num_output_tokens is None else num_output_tokens),
         ):
             if len(values) != batch_size:
                 raise ValueError(
@@ -137,7 +142,12 @@ class SamplingMetadata:
             no_penalties=no_penalties,
             output_token_counts=output_token_counts,
             prompt_token_mask=prompt_token_mask,
-            min_tokens_block=_min_tokens_block(params, output_token_ids, vocab_size, device),
+            min_tokens_block=_min_tokens_block(
+                params,
+                [len(ids) for ids in output_token_ids] if num_output_tokens is None else num_output_tokens,
+                vocab_size,
+                device,
+            ),
             max_num_logprobs=max(requested) if requested else None,
         )
 
@@ -158,14 +168,14 @@ def _token_counts(
 
 def _min_tokens_block(
     params: list[SamplingParams],
-    output_token_ids: list[list[int]],
+    num_output_tokens: list[int],
     vocab_size: int,
     device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows: list[int] = []
     cols: list[int] = []
-    for i, (p, out) in enumerate(zip(params, output_token_ids)):
-        if len(out) < p.min_tokens:
+    for i, (p, num_out) in enumerate(zip(params, num_output_tokens)):
+        if num_out < p.min_tokens:
             # Ids beyond the logits width can never be sampled, so there is nothing to block.
             ids = sorted(t for t in p.all_stop_token_ids if t < vocab_size)
             rows.extend([i] * len(ids))

@@ -18,8 +18,9 @@ import torch
 _ALIGN = 64  # bytes; keeps every region aligned for any element type and for vector loads
 
 # Regions with one entry per token of the step.
+# ``token_sources`` is only read by steps whose inputs include tokens still on the device.
 _TOKEN_REGIONS = (("input_ids", np.int64), ("positions", np.int64), ("slot_mapping", np.int64),
-                  ("logits_indices", np.int64))
+                  ("logits_indices", np.int64), ("token_sources", np.int64))
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 

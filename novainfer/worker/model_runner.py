@@ -29,6 +29,7 @@ from novainfer.core.sched.output import SchedulerOutput
 from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.model_loader import load_model
 from novainfer.sample import Sampler, SamplingMetadata, make_generator
+from novainfer.sample.sampler import LogprobsTensors
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graphs import DecodeGraphs, cudagraph_batch_sizes
 from novainfer.worker.input_buffers import BufferCapacity, StepInputBuffers
@@ -82,6 +83,9 @@ class StagedStep:
     # Whether the step's rows are all plain greedy: argmax instead of the sampler (and, under a
     # split LM head, a gather of each rank's best token instead of the whole logits).
     greedy: bool = False
+    # The previous step's sampled tokens (on the driver rank's device), when some inputs of this
+    # step are among them: the buffer's ``token_sources`` region says which row each one takes.
+    previous_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -102,6 +106,42 @@ class CachedRequestState:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[:self.num_prompt_tokens]
+
+
+@dataclass
+class SampledStep:
+    """A launched step's sampled tokens: on the device, where the next step's inputs read them,
+    and on their way to the host."""
+
+    states: list[CachedRequestState]  # the requests that sampled, in row order
+    device_tokens: torch.Tensor  # [len(states)] int64
+    rows: dict[str, int]  # req_id -> row
+    host_tokens: torch.Tensor
+    # (token ids, logprobs, ranks of the sampled tokens), when a request asked for logprobs
+    host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    copied: torch.cuda.Event | None  # recorded after the copies to the host (CUDA only)
+
+    @classmethod
+    def start_copy(cls, states: list[CachedRequestState], tokens: torch.Tensor,
+                   logprobs: LogprobsTensors | None) -> SampledStep:
+        """Queues the copies of a step's tokens (and logprobs) to the host, without waiting."""
+        host_tokens = tokens.to("cpu", non_blocking=True)  # pinned: the copy is asynchronous
+        host_logprobs = None
+        if logprobs is not None:
+            host_logprobs = tuple(t.to("cpu", non_blocking=True) for t in
+                                  (logprobs.token_ids, logprobs.logprobs, logprobs.sampled_token_ranks))
+        copied = None
+        if tokens.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(tokens.device))
+        return cls(states, tokens, {s.req_id: row for row, s in enumerate(states)}, host_tokens, host_logprobs,
+                   copied)
+
+    def wait(self) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """The tokens, and the logprob tensors if any, once they are on the host."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist(), self.host_logprobs
 
 
 @dataclass
@@ -141,6 +181,8 @@ class ModelRunner:
         # An LM head split over the vocabulary: steps end with each rank's logits of its range,
         # gathered afterwards, or reduced to the greedy tokens without gathering the logits.
         self._split_lm_head: ParallelLMHead | None = None
+        # The last step launched by execute_model whose tokens the host has not fetched yet.
+        self._in_flight: SampledStep | None = None
 
     # ---- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -245,10 +287,13 @@ class ModelRunner:
 
     def _stage(self, input_ids: np.ndarray, query_lens: np.ndarray, start_pos: np.ndarray,
                block_tables: np.ndarray, logits_indices: np.ndarray, allow_graph: bool = True,
-               greedy: bool = False) -> StagedStep:
+               greedy: bool = False, token_sources: np.ndarray | None = None,
+               previous_tokens: torch.Tensor | None = None) -> StagedStep:
         """Writes a step's inputs into the host staging buffer (no device work).
 
         ``block_tables`` is [num_seqs, n] with n >= every sequence's block count.
+        ``token_sources``: per input token, -1 or the row of ``previous_tokens`` (a device tensor)
+        that holds it, for tokens not sampled yet when the step is staged.
         """
         num_seqs, num_tokens = len(query_lens), len(input_ids)
         self._ensure_capacity(BufferCapacity(max(num_tokens, len(logits_indices)), num_seqs,
@@ -270,12 +315,15 @@ class ModelRunner:
         host["query_start_loc"][:num_seqs + 1] = cu_lens
         host["seq_lens"][:num_seqs] = seq_lens
         host["block_tables"][:num_seqs, :block_tables.shape[1]] = block_tables
+        if token_sources is not None:
+            host["token_sources"][:num_tokens] = token_sources
         rows = graph_size or num_seqs
         if graph_size is not None and graph_size > num_seqs:
             self._fill_padding(num_seqs, graph_size)
         all_rows = len(logits_indices) == num_tokens and bool((logits_indices == np.arange(num_tokens)).all())
         return StagedStep(self.buffers, self.buffers.block_table_rows_end(rows), num_tokens, num_seqs,
-                          len(logits_indices), query_lens, seq_lens, graph_size, all_rows, greedy)
+                          len(logits_indices), query_lens, seq_lens, graph_size, all_rows, greedy,
+                          previous_tokens if token_sources is not None else None)
 
     def _load(self, staged: StagedStep) -> ModelInput:
         """Copies a staged step (this runner's or the driver rank's) to the device; returns its inputs."""
@@ -288,6 +336,12 @@ class ModelRunner:
         self.buffers.copy_to_device(staged.num_bytes, staged.buffers)
         views = self.buffers.device_views
         num_tokens, num_seqs = staged.num_tokens, staged.num_seqs
+        if staged.previous_tokens is not None:
+            # Tokens sampled by the step before, which the host has not seen: taken on the device.
+            sources = views["token_sources"][:num_tokens]
+            previous = staged.previous_tokens.to(self.device, non_blocking=True)
+            input_ids = views["input_ids"][:num_tokens]
+            input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
         metadata = None
         if staged.graph_size is None:
             metadata = AttentionMetadata(
@@ -402,8 +456,7 @@ class ModelRunner:
             self._drop_request(rid)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            plain_greedy = (params.is_greedy and params.logprobs is None and params.presence_penalty == 0.0
-                            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
+            plain_greedy = params.is_greedy and params.logprobs is None and not params.has_penalties
             self._drop_request(new.req_id)  # a resumed request may still hold a row
             state = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
@@ -420,44 +473,85 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput,
-                      on_staged: Callable[[StagedStep | None], None] | None = None) -> ModelRunnerOutput:
-        """Runs a scheduled step and samples; ``on_staged`` gets the staged step (None for an empty
-        one) as soon as its inputs are in the host buffer, for other ranks to run it too."""
+    def execute_model(self, so: SchedulerOutput, on_staged: Callable[[StagedStep | None], None] | None = None,
+                      pipelined: bool = False) -> list[ModelRunnerOutput]:
+        """Runs a scheduled step; returns the outputs of the steps whose tokens this call fetched
+        to the host, oldest first.
+
+        The step left in flight by the previous call (``pipelined``) is fetched after this step
+        is launched, so the device goes from one to the next without waiting for the host; this
+        step's inputs take that step's tokens on the device. With ``pipelined`` this step is left
+        in flight in turn, else it is fetched too. ``on_staged`` gets the staged step (None for an
+        empty one) as soon as its inputs are in the host buffer, for other ranks to run it too.
+        """
         self._update_states(so)
+        previous, self._in_flight = self._in_flight, None
+        current = self._launch(so, previous, on_staged)
+        outputs = [self._fetch(previous)] if previous is not None else []
+        if current is not None:
+            if pipelined:
+                self._in_flight = current
+            else:
+                outputs.append(self._fetch(current))
+        return outputs
+
+    def _launch(self, so: SchedulerOutput, previous: SampledStep | None,
+                on_staged: Callable[[StagedStep | None], None] | None) -> SampledStep | None:
+        """Stages, runs and samples a step without waiting for its tokens; None if nothing samples."""
         if so.is_empty:
             if on_staged is not None:
                 on_staged(None)
-            return ModelRunnerOutput([], [])
+            return None
+        # Requests whose newest token the previous step is still sampling: their input is read
+        # from that step's tokens on the device.
+        in_flight_rows = previous.rows if previous is not None else {}
         num_seqs = len(so.num_scheduled_tokens)
         query_lens = np.empty(num_seqs, dtype=np.int64)
         start_pos = np.empty(num_seqs, dtype=np.int64)
         rows = np.empty(num_seqs, dtype=np.int64)
         input_ids: list[int] = []
+        sources: list[tuple[int, int]] = []  # (token index, row of the previous step's tokens)
         sampling: list[CachedRequestState] = []
         sampling_seqs: list[int] = []
+        num_outputs: list[int] = []
         for i, (rid, num_tokens) in enumerate(so.num_scheduled_tokens.items()):
             state = self.requests[rid]
             start = state.num_computed_tokens
             query_lens[i], start_pos[i], rows[i] = num_tokens, start, state.row
-            if num_tokens == 1:
+            num_known = len(state.token_ids)
+            in_flight = rid in in_flight_rows
+            if start == num_known:
+                if not in_flight:
+                    raise RuntimeError(f"request {rid} needs its token at position {start}, which no step "
+                                       f"has sampled")
+                sources.append((len(input_ids), in_flight_rows[rid]))
+                input_ids.append(0)
+            elif num_tokens == 1:
                 input_ids.append(state.token_ids[start])
             else:
                 input_ids.extend(state.token_ids[start:start + num_tokens])
             state.num_computed_tokens = start + num_tokens
-            if start + num_tokens == len(state.token_ids):
+            if start + num_tokens == num_known + in_flight:
                 sampling.append(state)
                 sampling_seqs.append(i)
+                num_outputs.append(len(state.output_token_ids) + in_flight)
         max_blocks = -(-int((start_pos + query_lens).max()) // self.block_size)
         logits_indices = np.cumsum(query_lens)[sampling_seqs] - 1
-        greedy = all(s.plain_greedy and len(s.output_token_ids) >= s.sampling_params.min_tokens for s in sampling)
+        greedy = all(s.plain_greedy and n >= s.sampling_params.min_tokens for s, n in zip(sampling, num_outputs))
+        token_sources = None
+        if sources:
+            token_sources = np.full(len(input_ids), -1, dtype=np.int64)
+            index, source_rows = zip(*sources)
+            token_sources[list(index)] = source_rows
         staged = self._stage(np.asarray(input_ids, dtype=np.int64), query_lens, start_pos,
-                             self.block_table_rows[rows, :max_blocks], logits_indices, greedy=greedy)
+                             self.block_table_rows[rows, :max_blocks], logits_indices, greedy=greedy,
+                             token_sources=token_sources,
+                             previous_tokens=previous.device_tokens if sources else None)
         if on_staged is not None:
             on_staged(staged)
         head_output = self._compute_logits(self._load(staged))
         if not sampling:
-            return ModelRunnerOutput([], [])
+            return None
         if greedy:
             sampled, logprobs = self._greedy_tokens(head_output), None
         else:
@@ -465,14 +559,26 @@ class ModelRunner:
                 [s.sampling_params for s in sampling], [s.output_token_ids for s in sampling],
                 [s.prompt_token_ids if s.sampling_params.repetition_penalty != 1.0 else [] for s in sampling],
                 [self.generators.get(s.req_id) for s in sampling], self.device,
-                self.model_config.vocab_size)
+                self.model_config.vocab_size, num_output_tokens=num_outputs)
             out = self.sampler(self._full_logits(head_output).float(), metadata)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
-        tokens = sampled.tolist()  # the step's one device-to-host sync
-        for state, token in zip(sampling, tokens):
+        return SampledStep.start_copy(sampling, sampled, logprobs)
+
+    @staticmethod
+    def _fetch(step: SampledStep) -> ModelRunnerOutput:
+        """Waits for a step's tokens on the host and adds them to its requests."""
+        tokens, logprobs = step.wait()
+        for state, token in zip(step.states, tokens):
             state.token_ids.append(token)
             state.output_token_ids.append(token)
-        return ModelRunnerOutput([s.req_id for s in sampling], tokens, self._logprobs_lists(sampling, logprobs))
+        logprobs_lists = None
+        if logprobs is not None:
+            ids, values, ranks = (t.tolist() for t in logprobs)
+            logprobs_lists = []
+            for row, state in enumerate(step.states):
+                k = state.sampling_params.logprobs
+                logprobs_lists.append(None if k is None else (ids[row][:k + 1], values[row][:k + 1], ranks[row]))
+        return ModelRunnerOutput([s.req_id for s in step.states], tokens, logprobs_lists)
 
     def is_replay_only(self, staged: StagedStep) -> bool:
         """Whether running ``staged`` here is a copy and a CUDA-graph replay, with no collective
@@ -489,16 +595,3 @@ class ModelRunner:
         if self._split_lm_head is not None and staged.num_logits:
             # The collectives the driver's sampling path runs, with the driver's choice of path.
             (self._greedy_tokens if staged.greedy else self._full_logits)(head_output)
-
-    @staticmethod
-    def _logprobs_lists(sampling: list[CachedRequestState], logprobs) -> list | None:
-        if logprobs is None:
-            return None
-        ids = logprobs.token_ids.tolist()
-        values = logprobs.logprobs.tolist()
-        ranks = logprobs.sampled_token_ranks.tolist()
-        result = []
-        for row, state in enumerate(sampling):
-            k = state.sampling_params.logprobs
-            result.append(None if k is None else (ids[row][:k + 1], values[row][:k + 1], ranks[row]))
-        return result

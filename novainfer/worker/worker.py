@@ -160,17 +160,20 @@ class Worker:
         sched = self.config.scheduler_config
         self.model_runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens)
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      step_broadcast: StepBroadcast | None = None) -> ModelRunnerOutput | None:
-        """Runs one step. With ``step_broadcast`` (ranks of one process), the driver stages the step
-        and publishes it there, and the other ranks run what it published and return None."""
+    def execute_model(self, scheduler_output: SchedulerOutput, step_broadcast: StepBroadcast | None = None,
+                      pipelined: bool = False) -> list[ModelRunnerOutput] | None:
+        """Runs one step; returns the outputs fetched meanwhile (see ``ModelRunner.execute_model``:
+        with ``pipelined`` the step stays in flight until the next call). With ``step_broadcast``
+        (ranks of one process), the driver stages the step and publishes it there, and the other
+        ranks run what it published and return None."""
         started = time.perf_counter()
         runner = self.model_runner
         if step_broadcast is None:
-            output = runner.execute_model(scheduler_output)
+            output = runner.execute_model(scheduler_output, pipelined=pipelined)
         elif self.is_driver_worker:
             try:
-                output = runner.execute_model(scheduler_output, on_staged=step_broadcast.publish)
+                output = runner.execute_model(scheduler_output, on_staged=step_broadcast.publish,
+                                              pipelined=pipelined)
             except BaseException:
                 step_broadcast.abandon()
                 raise

@@ -64,7 +64,9 @@ def test_graph_replay_matches_eager_decode_step(model_dir, num_seqs):
 
 @pytest.fixture(scope="module")
 def eager_outputs(model_dir):
-    llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_seqs=64, num_gpu_blocks_override=2048)
+    # Eager and each step fetched before the next: the reference of the graph and async engines.
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, async_scheduling=False, max_num_seqs=64,
+              num_gpu_blocks_override=2048)
     prompts = _prompts(llm.llm_engine.model_config.vocab_size, 48, seed=1)
     outputs = _generate(llm, prompts, 40)
     llm.shutdown()

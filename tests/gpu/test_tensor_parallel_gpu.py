@@ -67,8 +67,9 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def single_gpu(model_dir, prompts) -> dict:
-    """The one-GPU engine's greedy tokens and KV cache, the reference of every TP test."""
-    llm = LLM(str(model_dir), **ENGINE)
+    """The one-GPU engine's greedy tokens and KV cache, the reference of every TP test (which run
+    with async scheduling, the GPU default, while this one fetches each step before the next)."""
+    llm = LLM(str(model_dir), async_scheduling=False, **ENGINE)
     try:
         (kv,) = llm.llm_engine.executor.collective_rpc(_rank_kv)
         return {"tokens": _greedy(llm, prompts), "kv": kv}

@@ -6,6 +6,11 @@ token budget, ``max_num_seqs`` and the KV cache allow. A prompt longer than the 
 budget is chunked, so long prompts never stall decodes. When a running request cannot get a
 KV block, the most recently admitted running request is preempted: its blocks are freed and it
 goes back to the front of the waiting queue to be recomputed later.
+
+A scheduled step counts as computed at once: ``num_computed_tokens`` advances when the step is
+scheduled, and a request that will sample in it gets an output placeholder, so the next step
+can be scheduled (and run) before this one's tokens are known (``async_scheduling``). The
+sampled tokens replace the placeholders in :meth:`Scheduler.update_from_output`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     max_model_len: int = 2048
+    # Schedule and launch step N+1 before step N's tokens are on the host: the host's work of a
+    # step (scheduling, input staging, output processing) then overlaps the device's.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -103,14 +111,19 @@ class Scheduler:
 
         # Decodes first, then unfinished prompts, each group in admission order: a long prompt's
         # chunks use what is left of the budget and never delay a decode.
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decoding, prefilling = [], []
+        for r in self.running:
+            num_uncomputed = r.num_tokens_with_placeholders - r.num_computed_tokens
+            if num_uncomputed > 1:
+                prefilling.append(r)
+            elif num_uncomputed == 1 and not self._finishes_with_placeholders(r):
+                decoding.append(r)
         for request in decoding + prefilling:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
             new_blocks = self._allocate_or_preempt(request, num_new, num_scheduled, preempted)
             if new_blocks is None:
                 continue  # the request itself was preempted
@@ -121,6 +134,8 @@ class Scheduler:
         # Admit waiting requests, unless this step already had to preempt (no room).
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted while its last token was in flight: recomputed once that is known
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request.request_id, request.all_token_ids)
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, request.all_token_ids, num_new,
@@ -140,7 +155,20 @@ class Scheduler:
         output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
                                  finished_req_ids=self._finished_since_last_step, preempted_req_ids=preempted)
         self._finished_since_last_step = set()
+        for rid, num_new in num_scheduled.items():
+            request = self.requests[rid]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1  # it samples in this step
         return output
+
+    def _finishes_with_placeholders(self, request: Request) -> bool:
+        """Whether the request's tokens in flight take it to its length limit: it finishes once
+        they are known, so scheduling it again would compute a token past its end."""
+        if not request.num_output_placeholders:
+            return False
+        return (request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+                or request.num_tokens_with_placeholders >= self.max_context_len)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, num_scheduled: dict[str, int],
                              preempted: set[str]) -> list[int] | None:
@@ -178,19 +206,19 @@ class Scheduler:
                                        request.sampling_params, self.kv_cache_manager.get_block_ids(rid),
                                        request.num_computed_tokens))
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Advances progress after a step; returns the requests that got a new token."""
+    def update_from_output(self, req_ids: Iterable[str], sampled_token_ids: Iterable[int]) -> list[Request]:
+        """Fills in a step's sampled tokens; returns the requests that got one.
+
+        Requests finished since the step was scheduled are skipped. A request preempted since
+        then keeps its token: it is part of what it recomputes when it resumes.
+        """
         updated = []
-        for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for rid, token in zip(req_ids, sampled_token_ids):
             request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += num_tokens
-            token = sampled_token_ids.get(rid)
-            if token is not None:
-                request.append_output_token(token)
-                updated.append(request)
+            if request is None:
+                continue
+            request.append_output_token(token)
+            updated.append(request)
         return updated
 
     def check_stop(self, request: Request) -> RequestStatus | None:
