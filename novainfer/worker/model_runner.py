@@ -14,7 +14,7 @@ device-to-host synchronisation.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import logging
@@ -83,9 +83,27 @@ class StagedStep:
     # Whether the step's rows are all plain greedy: argmax instead of the sampler (and, under a
     # split LM head, a gather of each rank's best token instead of the whole logits).
     greedy: bool = False
-    # The previous step's sampled tokens (on the driver rank's device), when some inputs of this
+    # The previous step's sampled tokens (on the staging rank's device), when some inputs of this
     # step are among them: the buffer's ``token_sources`` region says which row each one takes.
     previous_tokens: torch.Tensor | None = None
+    # Copies of ``previous_tokens`` on other ranks' devices (see :meth:`copy_previous_tokens`).
+    previous_tokens_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def copy_previous_tokens(self, devices: Sequence[torch.device]) -> None:
+        """Queues the copies of ``previous_tokens`` to other ranks' devices, from the staging rank's
+        thread before it runs the step: a copy queued later, by another rank's thread, would wait
+        on the staging device's stream behind the step's collectives, which wait for that rank."""
+        if self.previous_tokens is not None:
+            for device in devices:
+                self.previous_tokens_copies[device] = self.previous_tokens.to(device, non_blocking=True)
+
+    def previous_tokens_on(self, device: torch.device) -> torch.Tensor:
+        if self.previous_tokens.device == device:
+            return self.previous_tokens
+        try:
+            return self.previous_tokens_copies[device]
+        except KeyError:
+            raise RuntimeError(f"the step's previous tokens were not copied to {device}") from None
 
 
 @dataclass
@@ -339,7 +357,7 @@ class ModelRunner:
         if staged.previous_tokens is not None:
             # Tokens sampled by the step before, which the host has not seen: taken on the device.
             sources = views["token_sources"][:num_tokens]
-            previous = staged.previous_tokens.to(self.device, non_blocking=True)
+            previous = staged.previous_tokens_on(self.device)
             input_ids = views["input_ids"][:num_tokens]
             input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
         metadata = None

@@ -38,6 +38,8 @@ class StepBroadcast:
     def publish(self, step: StagedStep | None) -> None:
         """Makes the step (None: an empty step, nothing to run) available to the waiting ranks, or
         launches it on their devices when it is a graph replay only."""
+        if step is not None:
+            step.copy_previous_tokens([runner.device for runner in self.followers])
         if step is not None and self.followers and all(r.is_replay_only(step) for r in self.followers):
             for runner in self.followers:
                 with torch.cuda.device(runner.device):
