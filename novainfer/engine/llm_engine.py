@@ -18,8 +18,8 @@ from novainfer.engine.output_processor import OutputProcessor
 from novainfer.engine.request import Request, RequestStatus
 from novainfer.executor.abstract import Executor
 from novainfer.outputs import RequestOutput
-from novainfer.worker.model_runner import ModelRunnerOutput
 from novainfer.sampling_params import SamplingParams
+from novainfer.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,9 @@ whose K/V are already in the paged cache. All sequences are flattened into one v
 The hot path is lean: a step's integer inputs go to the device in one copy from a pinned
 buffer (:mod:`novainfer.worker.input_buffers`), each running request keeps a row of a
 persistent host block table that is only appended to, decode-only steps replay CUDA graphs
-(:mod:`novainfer.worker.cuda_graphs`), and the sampled tokens come back in the step's one
-device-to-host synchronisation.
+(:mod:`novainfer.worker.cuda_graphs`), and the sampled tokens go to the host in one
+asynchronous copy. A step may be launched before the host has the previous step's tokens: its
+inputs then take them from the device (async scheduling).
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ class Scheduler:
 
     def _finishes_with_placeholders(self, request: Request) -> bool:
         """Whether the request's tokens in flight take it to its length limit: it finishes once
-        they are known, so scheduling it again would compute a token past its end."""
+        they are known, so scheduling it again would only sample a token past its end."""
         if not request.num_output_placeholders:
             return False
         return (request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
