@@ -500,6 +500,20 @@ def test_a_raising_rank_fails_the_step_naming_it(tp_model, prompts, caplog):
         llm.llm_engine.shutdown()
 
 
+def test_kv_cache_sizing_failure_at_start_up_stops_every_rank(tp_model):
+    """A start-up failure after the workers exist (no memory for the KV cache) names the rank and
+    the budget, and leaves no rank thread behind."""
+    engine = {**ENGINE, "num_gpu_blocks_override": None, "kv_cache_memory_bytes": 1}
+    with pytest.raises(WorkerError) as info:
+        LLM(str(tp_model), tensor_parallel_size=2, **engine)
+    assert info.value.method == "determine_num_available_blocks"
+    assert "no memory left for the KV cache" in str(info.value) and "budget 1 bytes" in str(info.value)
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("novainfer-rank") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("novainfer-rank")]
+
+
 def test_a_driver_failing_before_staging_releases_the_other_ranks(tp_model, prompts):
     llm = LLM(str(tp_model), tensor_parallel_size=2, **ENGINE)
     try:

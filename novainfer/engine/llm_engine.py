@@ -57,8 +57,12 @@ class LLMEngine:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
         executor_class = executor_class or Executor.get_class(config)
         self.executor = executor_class(config)
-        num_blocks = self.executor.determine_num_available_blocks()
-        self.executor.initialize_cache(num_blocks)
+        try:
+            num_blocks = self.executor.determine_num_available_blocks()
+            self.executor.initialize_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # its workers (threads or processes) would outlive the failure
+            raise
         cache = config.cache_config
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
