@@ -1,8 +1,9 @@
 """Backpressure and responsiveness of a live server.
 
-The server runs two models: ``tiny`` (cheap decode steps) for the queue-bound tests, and ``big``
-(a wider, deeper random Qwen2) whose 2000-token prefill takes long enough on CPU to show that
-``/health`` never waits for a model step. Both run at most 2 sequences with at most 2 waiting.
+The queue-bound tests share a server of the ``tiny`` model (cheap decode steps) that runs at most 2
+sequences with at most 2 waiting. The ``/health`` test has a server of its own: ``big`` (a wider,
+deeper random Qwen2) whose 2000-token prefill step is paced to last at least a second, to show
+that ``/health`` never waits for a model step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import httpx
 import pytest
 
 from novainfer.tiny_model import write_random_qwen2
-from tests.test_server_support import metric_value, serve
+from novainfer.engine.async_llm_engine import MIN_STEP_S_ENV
+from tests.test_server_support import REPO_ROOT, ServerProcess, metric_value, serve
 from tests.utils import tiny_model
 
 BIG_CONFIG = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -23,10 +25,8 @@ BIG_CONFIG = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, n
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    big_dir = write_random_qwen2(tmp_path_factory.mktemp("big-qwen2"), **BIG_CONFIG)
-    yield from serve([str(tiny_model()), "--model", str(big_dir), "--served-model-name", "tiny",
-                      "--served-model-name", "big", "--max-num-seqs", "2", "--max-waiting-requests", "2",
+def server():
+    yield from serve([str(tiny_model()), "--served-model-name", "tiny", "--max-num-seqs", "2", "--max-waiting-requests", "2",
                       "--max-concurrent-requests-per-client", "3", "--retry-after", "2",
                       "--kv-cache-memory-bytes", str(32 << 20)])
 
@@ -153,26 +153,31 @@ def test_per_client_concurrency_limit(server, http):
     assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
 
 
-def test_health_answers_fast_during_long_prefill(server, http):
+def test_health_answers_fast_during_long_prefill(tmp_path):
+    # The prefill computes for real (the GIL and the CPU are contended as in use), and the engine's
+    # steps last at least a second however fast the machine: /health is polled during the step.
+    big_dir = write_random_qwen2(tmp_path / "big-qwen2", **BIG_CONFIG)
+    paced = ServerProcess([str(big_dir), "--served-model-name", "big", "--kv-cache-memory-bytes", str(32 << 20)],
+                          cwd=REPO_ROOT, env={MIN_STEP_S_ENV: "1.0"})
     prompt = [(i * 7) % 700 for i in range(2000)]
     result: dict = {}
+    with paced, httpx.Client(base_url=paced.base_url, timeout=120) as http:
+        def long_request() -> None:
+            started = time.monotonic()
+            result["response"] = http.post("/v1/completions", timeout=300,
+                                           json={"model": "big", "prompt": prompt, "max_tokens": 1})
+            result["seconds"] = time.monotonic() - started
 
-    def long_request() -> None:
-        started = time.monotonic()
-        result["response"] = httpx.post(f"{server.base_url}/v1/completions", timeout=300,
-                                        json={"model": "big", "prompt": prompt, "max_tokens": 1})
-        result["seconds"] = time.monotonic() - started
-
-    worker = threading.Thread(target=long_request)
-    worker.start()
-    latencies = []
-    while worker.is_alive():
-        started = time.monotonic()
-        response = http.get("/health", timeout=5)
-        latencies.append(time.monotonic() - started)
-        assert response.status_code == 200
-        time.sleep(0.02)
-    worker.join()
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        latencies = []
+        while worker.is_alive():
+            started = time.monotonic()
+            response = http.get("/health", timeout=5)
+            latencies.append(time.monotonic() - started)
+            assert response.status_code == 200
+            time.sleep(0.02)
+        worker.join()
     assert result["response"].status_code == 200, result["response"].text
     assert result["response"].json()["usage"]["prompt_tokens"] == 2000
     assert len(latencies) >= 3, f"the {result['seconds']:.2f}s request left no time to poll /health"

@@ -10,16 +10,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+from novainfer.engine.async_llm_engine import MIN_STEP_S_ENV
 from novainfer.entrypoints.openai.server_process import ServerProcess, free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO_ROOT", "ServerProcess", "free_port", "metric_value", "serve"]
+__all__ = ["PACED_STEPS", "REPO_ROOT", "ServerProcess", "free_port", "metric_value", "serve"]
+
+# A server whose engine steps take at least 20 ms each: a 1,900-token answer then streams for 38 s
+# or more, however fast the machine, so a browser test can act while it is still running.
+PACED_STEPS = {MIN_STEP_S_ENV: "0.02"}
 
 
-def serve(args: list[str]) -> Iterator[ServerProcess]:
+def serve(args: list[str], env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A module's ``server`` fixture is ``yield from serve(ARGS)``: the server runs until the module ends."""
-    with ServerProcess(args, cwd=REPO_ROOT) as proc:
+    with ServerProcess(args, cwd=REPO_ROOT, env=env) as proc:
         yield proc
 
 

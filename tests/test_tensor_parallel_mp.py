@@ -15,12 +15,14 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 
 import pytest
 
 from novainfer import LLM, SamplingParams
+from novainfer.distributed.torch_distributed import HOSTED_STORE_SCHEME, host_store
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from novainfer.executor import ExecutorTimeoutError, WorkerError
@@ -59,6 +61,18 @@ def test_mp_tp2_greedy_matches_single_rank(mp_tp2, prompts, expected):
     pids = mp_tp2.llm_engine.executor.worker_pids
     assert len(set(pids)) == 2 and os.getpid() not in pids
     assert greedy_tokens(mp_tp2, prompts) == expected
+
+
+def test_rendezvous_port_is_bound_by_the_launcher_before_workers_start(mp_tp2):
+    # Choosing a free port, closing it and letting rank 0 bind it later raced with any other run
+    # doing the same; the launcher now serves the store itself, on a port it never let go of.
+    address = mp_tp2.llm_engine.executor._init_method
+    assert address.startswith(HOSTED_STORE_SCHEME)
+    host, _, port = address[len(HOSTED_STORE_SCHEME):].rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock, pytest.raises(OSError):
+        sock.bind((host, int(port)))
+    stores = [host_store("127.0.0.1", 2, timeout_s=5.0) for _ in range(8)]
+    assert len({address for _, address in stores}) == 8
 
 
 def test_mp_tp4_vocab_parallel_greedy_matches_single_rank(tp_model, prompts, expected):

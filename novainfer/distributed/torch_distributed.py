@@ -22,9 +22,25 @@ _TORCH_OPS = {
     ReduceOpType.kMax: dist.ReduceOp.MAX,
 }
 
+# ``tcpstore://host:port``: a rendezvous store that the launching process already serves (it bound
+# the port itself, so no other run can take it between choosing and binding); ranks join as clients.
+HOSTED_STORE_SCHEME = "tcpstore://"
+
 # Newer releases renamed the single-tensor gather/scatter; the old names warn there.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def host_store(host: str, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, str]:
+    """A rendezvous store served by this process on a port the OS assigns, and its ``tcpstore://`` address."""
+    store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return store, f"{HOSTED_STORE_SCHEME}{host}:{store.port}"
+
+
+def join_hosted_store(address: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    host, _, port = address[len(HOSTED_STORE_SCHEME):].rpartition(":")
+    return dist.TCPStore(host.strip("[]"), int(port), world_size, is_master=False, timeout=timeout)
 
 
 class TorchWork(Work):
@@ -88,9 +104,11 @@ class TorchDistributedProcessGroup(ProcessGroup):
         self.backend = backend
         # device_id binds the rank to its GPU and creates the NCCL communicator now, not lazily
         # inside the first collective (which may be a CUDA graph capture).
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        rendezvous = ({"store": join_hosted_store(init_method, world_size, timeout)}
+                      if init_method.startswith(HOSTED_STORE_SCHEME) else {"init_method": init_method})
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None, **rendezvous)
         # The first collective sets up the connections: fail here, at start-up, if they cannot be.
         self.all_reduce(torch.zeros(1, device=device))
 

@@ -16,7 +16,9 @@ import copy
 import dataclasses
 import logging
 import queue
+import os
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
 # How long it waits when requests exist but nothing could be scheduled (e.g. KV cache full).
 _STALL_POLL_S = 0.002
+# Test-only: the least time a step takes (the thread sleeps out the rest), so that a browser test can
+# act while an answer is still streaming however fast the machine is. Unset in real use.
+MIN_STEP_S_ENV = "NOVAINFER_TEST_MIN_STEP_S"
 
 
 class EngineDeadError(RuntimeError):
@@ -142,6 +147,7 @@ class AsyncLLMEngine:
         self._load = EngineLoad()
         self._stats = copy.deepcopy(engine.get_stats())
         self._thread: threading.Thread | None = None
+        self._min_step_s = float(os.environ.get(MIN_STEP_S_ENV) or 0.0)
         if start:
             self.start()
 
@@ -263,7 +269,10 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests():
                     continue
                 steps_before = self.engine.stats.num_steps
+                started = time.monotonic()
                 outputs = self.engine.step()
+                if self._min_step_s:
+                    time.sleep(max(0.0, started + self._min_step_s - time.monotonic()))
                 self._publish()  # before dispatching: whoever sees an output sees the stats of its step
                 self._dispatch(outputs)
                 if self.engine.stats.num_steps == steps_before:

@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -34,6 +33,7 @@ from typing import Any, NoReturn
 import torch
 
 from novainfer.config import EngineConfig
+from novainfer.distributed.torch_distributed import host_store
 from novainfer.executor.abstract import Executor, ExecutorTimeoutError, WorkerError, method_name
 from novainfer.worker.worker import Worker
 
@@ -65,18 +65,16 @@ class RemoteTraceback(Exception):
         return f"\n\nin the worker process:\n{self.text}"
 
 
-def get_open_port(host: str) -> int:
-    """A TCP port of ``host`` that is free now (for the ranks' rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         parallel = self.config.parallel_config
-        self._init_method = (parallel.init_method
-                             or f"tcp://{parallel.master_addr}:{get_open_port(parallel.master_addr)}")
+        # With no rendezvous given, this process serves the ranks' store on a port the OS assigns
+        # and holds it until shutdown: two runs started at once can never pick the same port.
+        self._store = None
+        self._init_method = parallel.init_method
+        if not self._init_method:
+            self._store, self._init_method = host_store(parallel.master_addr, parallel.world_size,
+                                                        self.rpc_timeout_s)
         self._failure: BaseException | None = None
         self.workers: list[WorkerProcess] = []
         # Holds the list, not the executor: stops the processes if the executor is dropped unshut.
@@ -179,6 +177,7 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         _stop_processes(self.workers, graceful=self._failure is None)
         self._finalizer.detach()
+        self._store = None  # closes the rendezvous port
         if self._failure is None:
             self._failure = RuntimeError("the executor was shut down")
 

@@ -91,6 +91,14 @@ class ChatPage:
     def stop(self) -> None:
         self.page.click("#stop-btn")
 
+    def answer_until_max_tokens(self) -> None:
+        """Adds ``ignore_eos`` to the page's chat requests: a random model's answer cannot end early
+        (where it would end depends on the machine's floating-point rounding)."""
+        def add_ignore_eos(route) -> None:
+            route.continue_(post_data=json.dumps({**route.request.post_data_json, "ignore_eos": True}))
+
+        self.page.route("**/v1/chat/completions", add_ignore_eos)
+
     def messages(self) -> list[Message]:
         rows = self.page.eval_on_selector_all("#message-list > article.msg", """nodes => nodes.map(n => ({
             role: n.dataset.role,

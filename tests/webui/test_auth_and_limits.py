@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_server_support import metric_value, serve
+from tests.test_server_support import PACED_STEPS, metric_value, serve
 
 API_KEY = "webui-secret"
 MODEL = "tiny"
@@ -18,7 +18,7 @@ MODEL = "tiny"
 def server(model_dir):
     yield from serve([str(model_dir), "--served-model-name", MODEL, "--api-key", API_KEY,
                       "--max-concurrent-requests-per-client", "1", "--retry-after", "3",
-                      "--kv-cache-memory-bytes", str(16 << 20)])
+                      "--kv-cache-memory-bytes", str(16 << 20)], env=PACED_STEPS)
 
 
 def test_page_loads_without_the_key_and_the_api_refuses_until_it_is_set(open_chat):
@@ -58,6 +58,7 @@ def test_a_second_concurrent_answer_gets_the_servers_429(open_chat, server):
     chat = open_chat()
     aborted_before = aborted(server)
     chat.configure(api_key=API_KEY, temperature=0, top_p=1, max_tokens=1900)
+    chat.answer_until_max_tokens()
     chat.send("Write a long story about a fox.")
     chat.page.wait_for_function("() => document.querySelector('.msg-assistant .msg-body')?.dataset.raw.length > 0")
 

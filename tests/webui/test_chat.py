@@ -16,8 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.test_server_support import metric_value, serve, sse_payloads
+from tests.test_server_support import PACED_STEPS, metric_value, serve, sse_payloads
 from tests.webui.chat_page import DESKTOP, PHONE
+from tests.webui.held_stream import HeldStream
 
 MODEL = "tiny"
 COMPLETIONS = "**/v1/chat/completions"
@@ -26,7 +27,8 @@ SYSTEM = "You are a terse assistant."
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    yield from serve([str(model_dir), "--served-model-name", MODEL, "--kv-cache-memory-bytes", str(16 << 20)])
+    yield from serve([str(model_dir), "--served-model-name", MODEL, "--kv-cache-memory-bytes", str(16 << 20)],
+                     env=PACED_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +135,7 @@ def test_answer_without_streaming(open_chat, client):
 def test_stop_ends_the_stream_and_the_server_aborts_the_request(open_chat, server):
     chat = open_chat()
     chat.configure(temperature=0, top_p=1, max_tokens=1900)
+    chat.answer_until_max_tokens()
     aborted_before = metric(server, "request_success_total", finished_reason="abort")
     chat.send("Write a long story about a fox.")
     chat.page.wait_for_function("() => document.querySelector('.msg-assistant .msg-body')?.dataset.raw.length > 0")
@@ -169,22 +172,35 @@ def test_conversations_and_settings_survive_reload_and_never_mix(open_chat):
     assert chat.settings_values() == {"system_prompt": "Be kind.", "temperature": "0", "top_p": "0.9",
                                       "max_tokens": "6", "api_key": "", "stream": True}
 
-    # While alpha streams a long answer, beta shows only its own messages.
-    chat.configure(max_tokens=1500)
-    chat.send("alpha follow-up")
-    chat.page.wait_for_function("() => document.querySelectorAll('.msg-assistant')[1]?.dataset.id && "
-                                "document.querySelectorAll('.msg-assistant .msg-body')[1].dataset.raw.length > 0")
-    chat.select("beta question")
-    for _ in range(5):
+    # While alpha's answer streams, beta shows only its own messages; the answer is a stream this test
+    # holds open and feeds, so it is still streaming whatever time the browser steps take.
+    with HeldStream(MODEL) as held:
+        chat.page.route(COMPLETIONS, lambda route: route.continue_(url=held.url))
+        chat.send("alpha follow-up")
+        held.push("Foxes ")
+        chat.page.wait_for_function("() => document.querySelectorAll('.msg-assistant .msg-body')[1]"
+                                    "?.dataset.raw === 'Foxes '")
+        chat.select("beta question")
+        for piece in ("are ", "quick ", "and "):
+            held.push(piece)
+            assert [m.raw for m in chat.messages()] == ["beta question", beta.raw]
+        chat.page.wait_for_timeout(200)  # time for a misrouted piece to be drawn, which must not happen
         assert [m.raw for m in chat.messages()] == ["beta question", beta.raw]
-        time.sleep(0.1)
-    chat.select("alpha question")
-    chat.stop()
-    chat.wait_idle()
+        chat.select("alpha question")
+        held.push("clever.")
+        chat.page.wait_for_function("() => document.querySelectorAll('.msg-assistant .msg-body')[1]"
+                                    "?.dataset.raw === 'Foxes are quick and clever.'")
+        chat.stop()
+        chat.wait_idle()
+        assert held.disconnected.wait(30), "Stop did not close the stream"
+        assert held.requests[0]["messages"][-1] == {"role": "user", "content": "alpha follow-up"}
     stored = chat.stored_by_title()
     assert [m["content"] for m in stored["beta question"]["messages"]] == ["beta question", beta.raw]
-    alpha_turns = [m["content"] for m in stored["alpha question"]["messages"]]
-    assert alpha_turns[:3] == ["alpha question", alpha.raw, "alpha follow-up"] and len(alpha_turns) == 4
+    assert [m["content"] for m in stored["alpha question"]["messages"]] == [
+        "alpha question", alpha.raw, "alpha follow-up", "Foxes are quick and clever."]
+    chat.reload()
+    chat.select("alpha question")
+    assert [m.raw for m in chat.messages()][-1] == "Foxes are quick and clever."
 
 
 def test_edit_an_earlier_message_and_regenerate_from_there(open_chat, client):
@@ -199,6 +215,10 @@ def test_edit_an_earlier_message_and_regenerate_from_there(open_chat, client):
     first.locator(".edit-btn").click()
     chat.page.fill(".edit-input", "an edited question")
     chat.page.click(".save-edit-btn")
+    # Saving replaces the later turns with a new answer: wait for that, then for the answer to end.
+    chat.page.wait_for_function("() => { const m = document.querySelectorAll('#message-list > article.msg');"
+                                "return m.length === 2 && m[0].querySelector('.msg-body').dataset.raw === "
+                                "'an edited question'; }")
     chat.wait_idle()
 
     expected = greedy_answer(client, [{"role": "user", "content": "an edited question"}], 8).choices[0].message.content

@@ -13,10 +13,15 @@ from pathlib import Path
 
 import httpx
 
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class _PortTaken(Exception):
+    """The server could not bind its port: another process took it after ``free_port`` chose it."""
 
 
 class ServerProcess:
@@ -27,25 +32,49 @@ class ServerProcess:
     """
 
     def __init__(self, args: list[str], startup_timeout: float = 120.0,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.args = list(args)
+        self.env = dict(env or {})
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout = startup_timeout
         self.cwd = cwd
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0  # where the output of the latest launch begins in the log
         self._log = tempfile.NamedTemporaryFile(prefix="novainfer-serve-", suffix=".log", delete=False)
 
-    def start(self) -> ServerProcess:
+    def start(self, attempts: int = 3) -> ServerProcess:
+        """Starts the server; a port taken by another process between choosing and binding it is
+        replaced by a new free port, up to ``attempts`` times."""
+        for attempt in range(attempts):
+            if attempt:
+                self.port = free_port()
+                self.base_url = f"http://127.0.0.1:{self.port}"
+            self._launch()
+            try:
+                return self._wait_healthy()
+            except _PortTaken:
+                continue
+        raise RuntimeError(f"no free port after {attempts} attempts:\n{self.log()}")
+
+    def _launch(self) -> None:
         env = dict(os.environ)
         env.pop("NOVAINFER_API_KEY", None)  # only an explicit --api-key turns auth on in tests
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.env)
         cmd = [sys.executable, "-m", "novainfer.entrypoints.cli.main", "serve", *self.args,
                "--host", "127.0.0.1", "--port", str(self.port)]
+        self._log_start = Path(self._log.name).stat().st_size
         self.proc = subprocess.Popen(cmd, cwd=self.cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def _wait_healthy(self) -> ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._log.flush()
+                output = Path(self._log.name).read_bytes()[self._log_start:].decode(errors="replace")
+                if "address already in use" in output.lower():
+                    raise _PortTaken()
                 raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
