@@ -37,6 +37,9 @@ class ModelConfig:
     max_model_len: int | None = None
     # Never capture CUDA graphs: every step runs eagerly (for debugging and comparison).
     enforce_eager: bool = False
+    # The most tokens a step replayed from a CUDA graph holds (vLLM's name); larger steps run
+    # eagerly, where the host's launch cost is small next to their kernels.
+    max_cudagraph_capture_size: int = 1024
     # "torch" or "triton"; None picks the fastest for the device.
     attention_backend: str | None = None
     hf_config: Any = field(default=None, repr=False)
@@ -59,6 +62,8 @@ class ModelConfig:
         elif self.max_model_len < 1 or (limit and self.max_model_len > limit):
             raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
+        if self.max_cudagraph_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

@@ -27,6 +27,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # Steps of up to this many tokens (decode, prefill or both) replay CUDA graphs.
+    max_cudagraph_capture_size: int = 1024
     # Schedule and launch each step before the previous one's tokens reach the host, so that the
     # host's work overlaps the device's. None: on for GPUs (a CPU computes while it schedules).
     async_scheduling: bool | None = None
@@ -54,6 +56,7 @@ class EngineArgs:
         device = resolve_device(self.device)
         model_config = ModelConfig(model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
                                    max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
+                                   max_cudagraph_capture_size=self.max_cudagraph_capture_size,
                                    attention_backend=self.attention_backend)
         cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                                    num_gpu_blocks_override=self.num_gpu_blocks_override,

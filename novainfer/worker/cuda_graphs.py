@@ -1,61 +1,94 @@
-"""CUDA graphs of decode-only steps, one per padded batch size.
+"""CUDA graphs of whole forward steps: decode-only steps by batch size, mixed steps by token count.
 
-A decode step launches a few hundred small kernels; replaying them as one captured graph
-removes the launch cost that otherwise dominates small batches. A step of ``n`` sequences runs
-the graph of the smallest captured size >= ``n``; the extra rows are padding the attention
-backend ignores (no KV slot, empty context). Graphs share one memory pool and are captured from
-the largest size down, so the smaller ones reuse the larger ones' activation memory.
+A step launches a few hundred small kernels; from Python each launch costs more host time than
+the GPU spends on it, so an eager step of a small model costs ~20 ms on the host for 2-3 ms of
+kernels. Replaying a captured graph removes that cost. Two kinds of graph cover the steps:
+
+* ``decode`` graphs, one per padded batch size ``B``: ``B`` sequences of one query token each.
+  The extra rows are padding the attention backend ignores (no KV slot, empty context).
+* ``mixed`` graphs, one per padded token count ``T``: any step of at most ``T`` tokens (prompt
+  chunks, with or without decodes) over at most ``max_seqs`` sequences. Every mixed graph has
+  ``max_seqs`` sequence slots; the attention kernels find each sequence's tokens from
+  ``query_start_loc`` on the device, so padding sequences (no query tokens, empty context) and
+  padding tokens (owned by no sequence, no KV slot) cost only programs that return at once. The
+  logits are computed for ``max_seqs`` rows, the most a step samples.
+
+Graphs share one memory pool and are captured from the largest step down, so the smaller ones
+reuse the larger ones' activation memory.
+
+On a CPU there is nothing to capture, but the same steps can be *emulated*: every replay runs the
+step eagerly on the same padded static inputs, which tests the bucketing and padding of captured
+steps on machines without a GPU.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# Captured sizes: every small size where padding would double the work, then steps of 16.
+# Captured sizes: every small size where padding would double the work, then steps of 16 (of
+# 64 past 256, where 64 extra rows cost little against the step's own work).
 _SMALL_SIZES = (1, 2, 4, 8)
 _SIZE_STEP = 16
+_LARGE_FROM, _LARGE_STEP = 256, 64
+
+GraphKind = Literal["decode", "mixed"]
 
 
-def cudagraph_batch_sizes(max_batch_size: int) -> list[int]:
-    """The padded batch sizes captured for steps of up to ``max_batch_size`` sequences."""
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-    sizes = [s for s in _SMALL_SIZES if s < max_batch_size]
-    sizes += list(range(_SIZE_STEP, max_batch_size, _SIZE_STEP))
-    sizes.append(max_batch_size)
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    kind: GraphKind
+    size: int  # sequences of a decode graph, tokens of a mixed graph
+
+
+def cudagraph_capture_sizes(max_size: int) -> list[int]:
+    """The padded sizes captured for steps of up to ``max_size`` sequences (decode) or tokens (mixed)."""
+    if max_size < 1:
+        raise ValueError(f"max_size must be >= 1, got {max_size}")
+    sizes = [s for s in _SMALL_SIZES if s < max_size]
+    sizes += list(range(_SIZE_STEP, min(max_size, _LARGE_FROM), _SIZE_STEP))
+    sizes += list(range(_LARGE_FROM, max_size, _LARGE_STEP))
+    sizes.append(max_size)
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
-    """Captured decode graphs and the static logits each one writes."""
+class StepGraphs:
+    """Captured step graphs and the static head output each one writes."""
 
     def __init__(self) -> None:
-        self._sizes: list[int] = []
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._sizes: dict[GraphKind, list[int]] = {"decode": [], "mixed": []}
+        # A captured graph and the output it writes, or (None, the step) when emulated.
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | Callable]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._graphs)
 
-    @property
-    def sizes(self) -> list[int]:
-        return list(self._sizes)
+    def sizes(self, kind: GraphKind) -> list[int]:
+        return list(self._sizes[kind])
 
-    def padded_size(self, num_seqs: int) -> int | None:
-        """The captured size a step of ``num_seqs`` decodes runs at, or None if none is large enough."""
-        index = bisect.bisect_left(self._sizes, num_seqs)
-        return self._sizes[index] if index < len(self._sizes) else None
+    def __contains__(self, key: GraphKey) -> bool:
+        return key in self._graphs
 
-    def capture(self, sizes: list[int], run_step: Callable[[int], torch.Tensor], device: torch.device) -> None:
-        """Captures ``run_step(size)`` (which returns the step's logits) for every size.
+    def padded_key(self, kind: GraphKind, size: int) -> GraphKey | None:
+        """The graph a step of ``size`` (sequences or tokens) runs at, or None if none is large enough."""
+        sizes = self._sizes[kind]
+        index = bisect.bisect_left(sizes, size)
+        return GraphKey(kind, sizes[index]) if index < len(sizes) else None
 
-        Each size first runs once outside the graph, so that lazy work (kernel compilation,
+    def capture(self, keys: list[GraphKey], run_step: Callable[[GraphKey], torch.Tensor],
+                device: torch.device) -> None:
+        """Captures ``run_step(key)`` (which returns the step's head output) for every key.
+
+        Each key first runs once outside the graph, so that lazy work (kernel compilation,
         workspace allocation) happens before capture.
 
         Capture goes through ``CUDAGraph.capture_begin`` on a stream of ``device`` rather than the
@@ -66,31 +99,43 @@ class DecodeGraphs:
         cache synchronizes its GPU while that rank may wait in a collective for this one.
         """
         started = time.perf_counter()
+        if device.type != "cuda":
+            self._graphs.update({key: (None, functools.partial(run_step, key)) for key in keys})
+            self._index_sizes()
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
-        for size in sorted(sizes, reverse=True):
-            run_step(size)
+        # Largest step first (by tokens: a mixed graph of T tokens outweighs a decode graph of T rows).
+        for key in sorted(keys, key=lambda k: (k.size, k.kind == "mixed"), reverse=True):
+            run_step(key)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(stream):
                 # thread_local: what other threads (other ranks) do meanwhile does not break this capture.
                 graph.capture_begin(pool, capture_error_mode="thread_local")
                 try:
-                    logits = run_step(size)
+                    output = run_step(key)
                 finally:
                     graph.capture_end()
-            self._graphs[size] = (graph, logits)
+            self._graphs[key] = (graph, output)
         torch.cuda.synchronize(device)
-        self._sizes = sorted(self._graphs)
-        logger.info("captured %d CUDA graphs for decode batch sizes %s on %s in %.1f s", len(self._sizes),
-                    self._sizes, device, time.perf_counter() - started)
+        self._index_sizes()
+        logger.info("captured %d CUDA graphs on %s in %.1f s: decode batch sizes %s, mixed token counts %s",
+                    len(self._graphs), device, time.perf_counter() - started, self._sizes["decode"],
+                    self._sizes["mixed"])
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Runs the graph of ``size`` on what its static inputs hold now; returns its logits [size, V]."""
-        graph, logits = self._graphs[size]
+    def _index_sizes(self) -> None:
+        for kind in self._sizes:
+            self._sizes[kind] = sorted(k.size for k in self._graphs if k.kind == kind)
+
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """Runs the graph of ``key`` on what its static inputs hold now; returns its head output."""
+        graph, output = self._graphs[key]
+        if graph is None:
+            return output()
         graph.replay()
-        return logits
+        return output
 
     def clear(self) -> None:
         self._graphs.clear()
-        self._sizes = []
+        self._sizes = {"decode": [], "mixed": []}

@@ -6,8 +6,8 @@ whose K/V are already in the paged cache. All sequences are flattened into one v
 
 The hot path is lean: a step's integer inputs go to the device in one copy from a pinned
 buffer (:mod:`novainfer.worker.input_buffers`), each running request keeps a row of a
-persistent host block table that is only appended to, decode-only steps replay CUDA graphs
-(:mod:`novainfer.worker.cuda_graphs`), and the sampled tokens go to the host in one
+persistent host block table that is only appended to, steps of up to ``max_cudagraph_capture_size``
+tokens replay CUDA graphs (:mod:`novainfer.worker.cuda_graphs`), and the sampled tokens go to the host in one
 asynchronous copy. A step may be launched before the host has the previous step's tokens: its
 inputs then take them from the device (async scheduling).
 """
@@ -32,13 +32,10 @@ from novainfer.model_loader import load_model
 from novainfer.sample import Sampler, SamplingMetadata, make_generator
 from novainfer.sample.sampler import LogprobsTensors
 from novainfer.sampling_params import SamplingParams
-from novainfer.worker.cuda_graphs import DecodeGraphs, cudagraph_batch_sizes
+from novainfer.worker.cuda_graphs import GraphKey, StepGraphs, cudagraph_capture_sizes
 from novainfer.worker.input_buffers import BufferCapacity, StepInputBuffers
 
 logger = logging.getLogger(__name__)
-
-# Larger decode batches gain little from graphs (their kernels are long) and cost capture memory.
-MAX_CUDAGRAPH_BATCH_SIZE = 512
 
 
 @dataclass
@@ -60,7 +57,7 @@ class ModelInput:
     metadata: AttentionMetadata | None  # None when the step replays a CUDA graph
     logits_indices: torch.Tensor
     num_seqs: int
-    graph_size: int | None = None  # the padded batch size of the graph to replay
+    graph_key: GraphKey | None = None  # the graph to replay
     logits_are_all_rows: bool = False  # logits_indices == arange(num rows): no gather needed
 
 
@@ -79,7 +76,7 @@ class StagedStep:
     num_logits: int
     query_lens: np.ndarray
     seq_lens: np.ndarray
-    graph_size: int | None  # the padded batch size of the graph to replay
+    graph_key: GraphKey | None  # the graph to replay
     logits_are_all_rows: bool
     # Whether the step's rows are all plain greedy: argmax instead of the sampler (and, under a
     # split LM head, a gather of each rank's best token instead of the whole logits).
@@ -189,14 +186,19 @@ class ModelRunner:
         # Kept across preemption so that a seeded request resumes its random stream.
         self.generators: dict[str, torch.Generator] = {}
         self.max_blocks_per_seq = -(-model_config.max_model_len // self.block_size)
+        # The step buffers the CUDA graphs read (sized from the configuration at start-up), and
+        # buffers of their own for the rare step larger than them (the low-level API's).
         self.buffers: StepInputBuffers | None = None
+        self._oversized_buffers: StepInputBuffers | None = None
         # Row r holds the block ids of the request that owns row r (host only; a step copies its rows).
         self.block_table_rows = np.zeros((0, self.max_blocks_per_seq), dtype=np.int32)
         self._free_rows: list[int] = []
-        self.graphs = DecodeGraphs()
+        self.graphs = StepGraphs()
+        # Sequence slots (and logits rows) of every mixed-step graph.
+        self.mixed_graph_seqs = 0
         # The captured steps' metadata: its backend data (e.g. split-K workspaces) must live as
         # long as the graphs that use it.
-        self._graph_metadata: dict[int, AttentionMetadata] = {}
+        self._graph_metadata: dict[GraphKey, AttentionMetadata] = {}
         # An LM head split over the vocabulary: steps end with each rank's logits of its range,
         # gathered afterwards, or reduced to the greedy tokens without gathering the logits.
         self._split_lm_head: ParallelLMHead | None = None
@@ -240,48 +242,71 @@ class ModelRunner:
         return (self.device.type == "cuda" and not self.model_config.enforce_eager
                 and getattr(self.attn_backend, "supports_cuda_graphs", False))
 
-    @torch.inference_mode()
-    def capture_model(self, max_batch_size: int, max_num_tokens: int) -> None:
-        """Captures decode graphs for up to ``max_batch_size`` sequences (after the KV cache exists).
+    def reserve_step_buffers(self, max_num_seqs: int, max_num_tokens: int) -> None:
+        """Sizes the step buffers for the largest step the scheduler can make, once: buffers that
+        grew later would move, and every graph reading them would have to go."""
+        capacity = BufferCapacity(max(max_num_tokens, max_num_seqs), max_num_seqs, self.max_blocks_per_seq)
+        if self.buffers is None or not self.buffers.capacity.covers(capacity):
+            self._clear_graphs()
+            self.buffers = StepInputBuffers(capacity, self.device)
 
-        ``max_num_tokens`` sizes the input buffers for the largest step first, so that no later
-        step has to grow them (which would drop the graphs).
-        """
+    @torch.inference_mode()
+    def capture_model(self, max_num_seqs: int, max_num_tokens: int) -> None:
+        """Captures the step graphs (after the KV cache and the step buffers exist): decode steps of
+        up to ``max_num_seqs`` sequences and mixed steps of up to ``max_num_tokens`` tokens, both
+        bounded by ``max_cudagraph_capture_size``."""
         if not self.cuda_graphs_enabled:
             return
-        sizes = cudagraph_batch_sizes(min(max_batch_size, MAX_CUDAGRAPH_BATCH_SIZE))
-        largest = sizes[-1]
-        self._ensure_capacity(BufferCapacity(max(max_num_tokens, largest), largest, self.max_blocks_per_seq))
-        # Capture on harmless padding rows: token 0 at position 0, no KV slot, empty context.
+        limit = self.model_config.max_cudagraph_capture_size
+        decode_sizes = cudagraph_capture_sizes(min(max_num_seqs, limit))
+        mixed_sizes = [t for t in cudagraph_capture_sizes(min(max_num_tokens, limit)) if t > 1]
+        self.reserve_step_buffers(max_num_seqs, max_num_tokens)
+        self.mixed_graph_seqs = min(max_num_seqs, limit)
+        # Captured on inputs that are padding for both kinds: no KV slot, empty sequences.
         self.buffers.wait_until_writable()
-        self._fill_padding(0, largest)
+        for name, array in self.buffers.host.items():
+            array[...] = -1 if name == "slot_mapping" else 0
         self.buffers.copy_to_device(self.buffers.nbytes)
         views = self.buffers.device_views
 
-        def run_step(size: int) -> torch.Tensor:
-            metadata = self._graph_metadata[size] = self._decode_metadata(size)
+        def run_step(key: GraphKey) -> torch.Tensor:
+            metadata = self._graph_metadata[key] = self._graph_step_metadata(key)
             self.attn_backend.prepare(metadata)
-            hidden = self.model(views["input_ids"][:size], views["positions"][:size], metadata)
+            hidden = self.model(views["input_ids"][:key.size], views["positions"][:key.size], metadata)
+            if key.kind == "mixed":
+                hidden = hidden[views["logits_indices"][:self.mixed_graph_seqs]]
             return self._head_output(hidden)
 
-        self.graphs.capture(sizes, run_step, self.device)
+        keys = [GraphKey("decode", size) for size in decode_sizes] + [GraphKey("mixed", t) for t in mixed_sizes]
+        self.graphs.capture(keys, run_step, self.device)
 
     # ---- staging a step ----------------------------------------------------------------------
-    def _ensure_capacity(self, need: BufferCapacity, exact: bool = False) -> None:
-        """Grows the staging buffers to hold ``need`` (or makes them exactly ``need``, to share a
-        layout with another rank's buffers)."""
-        if self.buffers is not None and (self.buffers.capacity == need if exact else
-                                         self.buffers.capacity.covers(need)):
-            return
-        capacity = need if self.buffers is None or exact else self.buffers.capacity.grown_to(need)
-        if self.graphs:
-            logger.warning("a step needs larger input buffers (%s); dropping the CUDA graphs", capacity)
-            self._clear_graphs()
-        self.buffers = StepInputBuffers(capacity, self.device)
+    def _staging_buffers(self, need: BufferCapacity, exact: bool = False) -> StepInputBuffers:
+        """The buffers a step that needs ``need`` is staged in (exactly ``need``, to share a layout
+        with another rank's buffers): the reserved ones when it fits, else the oversized ones,
+        grown as needed, so that a large step never moves the buffers the graphs read."""
+        def fits(buffers: StepInputBuffers | None) -> bool:
+            return buffers is not None and (buffers.capacity == need if exact else buffers.capacity.covers(need))
+
+        def grown(buffers: StepInputBuffers | None) -> StepInputBuffers:
+            capacity = need if buffers is None or exact else buffers.capacity.grown_to(need)
+            return StepInputBuffers(capacity, self.device)
+
+        if fits(self.buffers):
+            return self.buffers
+        if not self.graphs:  # nothing reads the reserved buffers' addresses yet
+            self.buffers = grown(self.buffers)
+            return self.buffers
+        if not fits(self._oversized_buffers):
+            self._oversized_buffers = grown(self._oversized_buffers)
+            logger.info("a step larger than the reserved step buffers (%s) runs eagerly from buffers of its own",
+                        self.buffers.capacity)
+        return self._oversized_buffers
 
     def _clear_graphs(self) -> None:
         self.graphs.clear()
         self._graph_metadata.clear()
+        self.mixed_graph_seqs = 0
 
     def _fill_padding(self, start: int, end: int) -> None:
         """Rows [start, end) of a padded decode batch: no KV slot, empty context."""
@@ -293,16 +318,28 @@ class ModelRunner:
         host["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
         host["logits_indices"][start:end] = np.arange(start, end)
 
-    def _decode_metadata(self, size: int) -> AttentionMetadata:
-        """Metadata of a captured decode step: views of the static buffers, lengths read on device."""
+    def _fill_mixed_padding(self, num_tokens: int, num_seqs: int, num_logits: int, key: GraphKey) -> None:
+        """Pads a step to a mixed graph: tokens owned by no sequence and without a KV slot, then
+        sequences without query tokens or context, and logits rows of token 0."""
+        host, seqs = self.buffers.host, self.mixed_graph_seqs
+        host["input_ids"][num_tokens:key.size] = 0
+        host["positions"][num_tokens:key.size] = 0
+        host["slot_mapping"][num_tokens:key.size] = -1
+        host["query_start_loc"][num_seqs + 1:seqs + 1] = num_tokens
+        host["seq_lens"][num_seqs:seqs] = 0
+        host["logits_indices"][num_logits:seqs] = 0
+
+    def _graph_step_metadata(self, key: GraphKey) -> AttentionMetadata:
+        """Metadata of a captured step: views of the static buffers, lengths read on the device, and
+        no host copies of them (the backend plans for any step of this shape)."""
         views = self.buffers.device_views
-        max_len = self.model_config.max_model_len
+        num_seqs = key.size if key.kind == "decode" else self.mixed_graph_seqs
         return AttentionMetadata(
-            num_tokens=size, num_seqs=size, block_size=self.block_size, max_query_len=1, max_seq_len=max_len,
-            query_start_loc=views["query_start_loc"][:size + 1], seq_lens=views["seq_lens"][:size],
-            block_tables=views["block_tables"][:size], slot_mapping=views["slot_mapping"][:size],
-            query_lens_cpu=np.ones(size, dtype=np.int64), seq_lens_cpu=np.full(size, max_len, dtype=np.int64),
-            backend=self.attn_backend)
+            num_tokens=key.size, num_seqs=num_seqs, block_size=self.block_size,
+            max_query_len=1 if key.kind == "decode" else key.size, max_seq_len=self.model_config.max_model_len,
+            query_start_loc=views["query_start_loc"][:num_seqs + 1], seq_lens=views["seq_lens"][:num_seqs],
+            block_tables=views["block_tables"][:num_seqs], slot_mapping=views["slot_mapping"][:key.size],
+            query_lens_cpu=None, seq_lens_cpu=None, backend=self.attn_backend)
 
     def _stage(self, input_ids: np.ndarray, query_lens: np.ndarray, start_pos: np.ndarray,
                block_tables: np.ndarray, logits_indices: np.ndarray, allow_graph: bool = True,
@@ -314,14 +351,12 @@ class ModelRunner:
         ``token_sources``: per input token, -1 or the row of ``previous_tokens`` (a device tensor)
         that holds it, for tokens not sampled yet when the step is staged.
         """
-        num_seqs, num_tokens = len(query_lens), len(input_ids)
-        self._ensure_capacity(BufferCapacity(max(num_tokens, len(logits_indices)), num_seqs,
-                                             block_tables.shape[1]))
-        self.buffers.wait_until_writable()
-        graph_size = None
-        if allow_graph and self.graphs and int(query_lens.max()) == 1:
-            graph_size = self.graphs.padded_size(num_seqs)
-        host, bs = self.buffers.host, self.block_size
+        num_seqs, num_tokens, num_logits = len(query_lens), len(input_ids), len(logits_indices)
+        buffers = self._staging_buffers(BufferCapacity(max(num_tokens, num_logits), num_seqs, block_tables.shape[1]))
+        buffers.wait_until_writable()
+        graph_key = self._graph_for(num_tokens, num_seqs, num_logits, int(query_lens.max())) \
+            if allow_graph and buffers is self.buffers else None
+        host, bs = buffers.host, self.block_size
         cu_lens = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu_lens[1:])
         seq_lens = start_pos + query_lens
@@ -336,24 +371,39 @@ class ModelRunner:
         host["block_tables"][:num_seqs, :block_tables.shape[1]] = block_tables
         if token_sources is not None:
             host["token_sources"][:num_tokens] = token_sources
-        rows = graph_size or num_seqs
-        if graph_size is not None and graph_size > num_seqs:
-            self._fill_padding(num_seqs, graph_size)
-        all_rows = len(logits_indices) == num_tokens and bool((logits_indices == np.arange(num_tokens)).all())
-        return StagedStep(self.buffers, self.buffers.block_table_rows_end(rows), num_tokens, num_seqs,
-                          len(logits_indices), query_lens, seq_lens, graph_size, all_rows, greedy,
-                          previous_tokens if token_sources is not None else None)
+        rows = num_seqs
+        if graph_key is not None and graph_key.kind == "decode":
+            rows = graph_key.size
+            self._fill_padding(num_seqs, graph_key.size)
+        elif graph_key is not None:
+            rows = self.mixed_graph_seqs
+            self._fill_mixed_padding(num_tokens, num_seqs, num_logits, graph_key)
+        all_rows = num_logits == num_tokens and bool((logits_indices == np.arange(num_tokens)).all())
+        return StagedStep(buffers, buffers.block_table_rows_end(rows), num_tokens, num_seqs, num_logits, query_lens,
+                          seq_lens, graph_key, all_rows, greedy, previous_tokens if token_sources is not None else None)
+
+    def _graph_for(self, num_tokens: int, num_seqs: int, num_logits: int, max_query_len: int) -> GraphKey | None:
+        """The captured graph a step runs as, or None to run it eagerly."""
+        if not self.graphs:
+            return None
+        if max_query_len == 1:
+            return self.graphs.padded_key("decode", num_seqs)
+        if num_seqs <= self.mixed_graph_seqs and num_logits <= self.mixed_graph_seqs:
+            return self.graphs.padded_key("mixed", num_tokens)
+        return None
 
     def _load(self, staged: StagedStep) -> ModelInput:
         """Copies a staged step (this runner's or the driver rank's) to the device; returns its inputs."""
-        if staged.buffers is not self.buffers:
+        buffers = staged.buffers
+        if buffers is not self.buffers and buffers is not self._oversized_buffers:
             # A step staged by the driver rank: match its buffer layout, whose copy this is.
-            self._ensure_capacity(staged.buffers.capacity, exact=True)
-            if staged.graph_size is not None and self.graphs.padded_size(staged.graph_size) != staged.graph_size:
-                raise RuntimeError(f"the driver rank runs the CUDA graph of batch size {staged.graph_size}, "
-                                   f"which {self.device} did not capture (it has {self.graphs.sizes})")
-        self.buffers.copy_to_device(staged.num_bytes, staged.buffers)
-        views = self.buffers.device_views
+            buffers = self._staging_buffers(staged.buffers.capacity, exact=True)
+            if staged.graph_key is not None and (staged.graph_key not in self.graphs or buffers is not self.buffers):
+                raise RuntimeError(f"the driver rank runs the CUDA graph {staged.graph_key}, which {self.device} "
+                                   f"did not capture (it has decode sizes {self.graphs.sizes('decode')} and "
+                                   f"mixed sizes {self.graphs.sizes('mixed')})")
+        buffers.copy_to_device(staged.num_bytes, staged.buffers)
+        views = buffers.device_views
         num_tokens, num_seqs = staged.num_tokens, staged.num_seqs
         if staged.previous_tokens is not None:
             # Tokens sampled by the step before, which the host has not seen: taken on the device.
@@ -362,7 +412,7 @@ class ModelRunner:
             input_ids = views["input_ids"][:num_tokens]
             input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
         metadata = None
-        if staged.graph_size is None:
+        if staged.graph_key is None:
             metadata = AttentionMetadata(
                 num_tokens=num_tokens, num_seqs=num_seqs, block_size=self.block_size,
                 max_query_len=int(staged.query_lens.max()), max_seq_len=int(staged.seq_lens.max()),
@@ -371,7 +421,7 @@ class ModelRunner:
                 query_lens_cpu=staged.query_lens, seq_lens_cpu=staged.seq_lens, backend=self.attn_backend)
             self.attn_backend.prepare(metadata)
         return ModelInput(views["input_ids"][:num_tokens], views["positions"][:num_tokens], metadata,
-                          views["logits_indices"][:staged.num_logits], num_seqs, staged.graph_size,
+                          views["logits_indices"][:staged.num_logits], num_seqs, staged.graph_key,
                           staged.logits_are_all_rows)
 
     def prepare_inputs(self, seqs: Sequence[SequenceInput]) -> ModelInput:
@@ -426,8 +476,11 @@ class ModelRunner:
 
     def _compute_logits(self, model_input: ModelInput) -> torch.Tensor:
         """The head output (see :meth:`_head_output`) of the rows requested, in the model's dtype."""
-        if model_input.graph_size is not None:
-            logits = self.graphs.replay(model_input.graph_size)
+        key = model_input.graph_key
+        if key is not None:
+            logits = self.graphs.replay(key)
+            if key.kind == "mixed":  # rows in logits_indices order already
+                return logits[:model_input.logits_indices.shape[0]]
             if model_input.logits_are_all_rows:
                 return logits[:model_input.num_seqs]
             return logits[model_input.logits_indices]
@@ -440,7 +493,7 @@ class ModelRunner:
     def forward(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
         """Runs one step; returns float32 logits [rows requested, vocab] in input order.
 
-        Decode-only steps replay a CUDA graph when one was captured.
+        Steps that fit a captured graph replay it.
         """
         return self._full_logits(self._compute_logits(self._load(self._stage(*self._flatten(seqs))))).float()
 
@@ -602,7 +655,7 @@ class ModelRunner:
     def is_replay_only(self, staged: StagedStep) -> bool:
         """Whether running ``staged`` here is a copy and a CUDA-graph replay, with no collective
         issued from the host: then any thread may launch it."""
-        return staged.graph_size is not None and not (self._split_lm_head is not None and staged.num_logits)
+        return staged.graph_key is not None and not (self._split_lm_head is not None and staged.num_logits)
 
     @torch.inference_mode()
     def run_staged(self, staged: StagedStep | None) -> None:

@@ -158,6 +158,7 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
         sched = self.config.scheduler_config
+        self.model_runner.reserve_step_buffers(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.model_runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens)
 
     def execute_model(self, scheduler_output: SchedulerOutput, step_broadcast: StepBroadcast | None = None,

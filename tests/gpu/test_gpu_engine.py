@@ -16,7 +16,7 @@ import torch
 
 from novainfer import LLM, SamplingParams
 from tests.test_model_parity import block_tables_for, make_runner, random_prompts
-from tests.utils import tiny_model
+from tests.utils import hf_greedy, tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -41,25 +41,51 @@ def model_dir():
     return tiny_model(**GQA_MODEL)
 
 
+def _graph_and_eager_logits(runner, step, expected_key):
+    with torch.inference_mode():
+        graph_input = runner._load(runner._stage(*runner._flatten(step)))
+        assert graph_input.graph_key == expected_key
+        graph_logits = runner._compute_logits(graph_input).float().clone()
+        eager_logits = runner._compute_logits(runner.prepare_inputs(step)).float()
+    assert graph_logits.shape == eager_logits.shape == (len(step), runner.model_config.vocab_size)
+    torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def graph_runner(model_dir):
+    runner = make_runner(model_dir, block_size=16, num_blocks=2048, device="cuda", dtype="float32",
+                         attention_backend="triton")
+    runner.capture_model(max_num_seqs=64, max_num_tokens=512)
+    return runner
+
+
 @pytest.mark.parametrize("num_seqs", [1, 3, 16, 37])
-def test_graph_replay_matches_eager_decode_step(model_dir, num_seqs):
+def test_graph_replay_matches_eager_decode_step(graph_runner, num_seqs):
     from novainfer.worker.model_runner import SequenceInput
 
-    runner = make_runner(model_dir, block_size=16, num_blocks=1024, device="cuda", dtype="float32",
-                         attention_backend="triton")
-    runner.capture_model(max_batch_size=64, max_num_tokens=4096)
-    assert runner.graphs.padded_size(num_seqs) is not None
+    runner = graph_runner
     prompts = _prompts(runner.model_config.vocab_size, num_seqs, seed=num_seqs)
     tables = block_tables_for([len(p) + 1 for p in prompts], runner.block_size)
     runner.forward([SequenceInput(p, 0, t, "none") for p, t in zip(prompts, tables)])
     decode = [SequenceInput([7], len(p), t, "last") for p, t in zip(prompts, tables)]
-    with torch.inference_mode():
-        graph_input = runner._load(runner._stage(*runner._flatten(decode)))
-        assert graph_input.graph_size == runner.graphs.padded_size(num_seqs)
-        graph_logits = runner._compute_logits(graph_input).float().clone()
-        eager_logits = runner._compute_logits(runner.prepare_inputs(decode)).float()
-    assert graph_logits.shape == eager_logits.shape == (num_seqs, runner.model_config.vocab_size)
-    torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=1e-4)
+    _graph_and_eager_logits(runner, decode, runner.graphs.padded_key("decode", num_seqs))
+
+
+@pytest.mark.parametrize("num_decodes, chunk", [(0, 5), (3, 40), (37, 200), (60, 2)])
+def test_graph_replay_matches_eager_mixed_step(graph_runner, num_decodes, chunk):
+    """Decodes with long contexts (split over the decode kernel's programs), a prompt chunk on a
+    cached prefix and a new prompt, padded to a mixed graph."""
+    from novainfer.worker.model_runner import SequenceInput
+
+    runner = graph_runner
+    prompts = _prompts(runner.model_config.vocab_size, num_decodes + 2, seed=chunk)
+    tables = block_tables_for([len(p) + chunk + 1 for p in prompts], runner.block_size)
+    runner.forward([SequenceInput(p, 0, t, "none") for p, t in zip(prompts, tables)])
+    step = [SequenceInput([7], len(p), t) for p, t in zip(prompts[:num_decodes], tables)]
+    step.append(SequenceInput(prompts[-2][:chunk], len(prompts[-2]), tables[-2]))
+    step.append(SequenceInput(prompts[-1][:chunk], 0, tables[-1]))
+    num_tokens = num_decodes + 2 * chunk
+    _graph_and_eager_logits(runner, step, runner.graphs.padded_key("mixed", num_tokens))
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +132,55 @@ def test_prefix_caching_on_gpu_keeps_outputs(model_dir):
         assert all(c >= 192 for c in cached) if caching else all(c == 0 for c in cached)
         llm.shutdown()
     assert results[True] == results[False]
+
+
+def _count_replays(llm: LLM) -> dict[str, int]:
+    """Counts the graph replays of ``llm``'s runner by kind, from now on."""
+    graphs = llm.llm_engine.executor.driver_worker.model_runner.graphs
+    counts = {"decode": 0, "mixed": 0}
+    replay = graphs.replay
+
+    def counting(key):
+        counts[key.kind] += 1
+        return replay(key)
+
+    graphs.replay = counting
+    return counts
+
+
+def test_mixed_graph_steps_equal_transformers(model_dir):
+    """Chunked prefill (64-token steps), a shared prefix and preemption (few blocks), through captured
+    mixed steps: greedy tokens equal transformers' (float32)."""
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    shared = random_prompts(vocab_size, [70], seed=11)[0]
+    prompts = [shared + tail for tail in random_prompts(vocab_size, [3, 50, 17, 90, 1, 33], seed=12)]
+    prompts += random_prompts(vocab_size, [120, 9], seed=13)
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=16,
+              max_cudagraph_capture_size=64)
+    counts = _count_replays(llm)
+    ours = _generate(llm, prompts, 24)
+    stats = llm.llm_engine.get_stats()
+    llm.shutdown()
+    assert counts["mixed"] > 0 and counts["decode"] > 0, counts
+    assert stats.num_preemptions_total > 0
+    for prompt, out in zip(prompts, ours):
+        assert out == hf_greedy(model_dir, prompt, 24, torch.float32, "cuda")
+
+
+def test_graphs_on_and_off_give_the_same_tokens_for_512_requests_under_continuous_admission(model_dir):
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(21)
+    prompts = random_prompts(vocab_size, rng.integers(1, 200, size=512).tolist(), seed=21)
+    max_tokens = rng.integers(1, 48, size=512).tolist()
+    results = {}
+    for eager in (True, False):
+        llm = LLM(str(model_dir), dtype="float32", enforce_eager=eager, max_num_seqs=64, max_num_batched_tokens=512,
+                  num_gpu_blocks_override=2048)
+        counts = None if eager else _count_replays(llm)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
+                               use_tqdm=False)
+        results[eager] = [o.outputs[0].token_ids for o in outputs]
+        llm.shutdown()
+    assert counts["mixed"] > 0 and counts["decode"] > 0, counts
+    assert results[False] == results[True]

@@ -133,7 +133,7 @@ def test_uni_driver_launches_the_decode_graphs_of_every_rank(tp2, prompts):
     run_staged = follower.run_staged
 
     def recording(staged):
-        calls.append((threading.current_thread().name, staged is not None and staged.graph_size is not None))
+        calls.append((threading.current_thread().name, staged is not None and staged.graph_key is not None))
         return run_staged(staged)
 
     follower.run_staged = recording

@@ -28,8 +28,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, device
     block_tables: torch.Tensor  # [B, max_blocks] int32, device
     slot_mapping: torch.Tensor  # [T] int64, device
-    query_lens_cpu: np.ndarray  # [B] host copies, for backends that plan on the host
-    seq_lens_cpu: np.ndarray
+    # [B] host copies, for backends that plan on the host; None in a captured step, whose plan must
+    # hold for any step of its shape (lengths bounded by max_query_len and max_seq_len).
+    query_lens_cpu: np.ndarray | None
+    seq_lens_cpu: np.ndarray | None
     backend: "AttentionBackend"
     # Whatever the backend precomputes once per step and reuses in every layer.
     backend_data: Any = field(default=None)

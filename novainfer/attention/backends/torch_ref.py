@@ -28,12 +28,13 @@ class _PaddedGroup:
     max_q: int
 
 
-def _build_group(metadata: AttentionMetadata, seqs: np.ndarray) -> _PaddedGroup:
+def _build_group(metadata: AttentionMetadata, all_query_lens: np.ndarray, all_seq_lens: np.ndarray,
+                 seqs: np.ndarray) -> _PaddedGroup:
     device = metadata.query_start_loc.device
-    query_lens_np = metadata.query_lens_cpu[seqs]
-    seq_lens_np = metadata.seq_lens_cpu[seqs]
-    num_seqs, max_q, max_ctx = len(seqs), int(query_lens_np.max()), int(seq_lens_np.max())
-    starts_np = np.concatenate(([0], np.cumsum(metadata.query_lens_cpu)[:-1]))[seqs]
+    query_lens_np = all_query_lens[seqs]
+    seq_lens_np = all_seq_lens[seqs]
+    num_seqs, max_q, max_ctx = len(seqs), int(query_lens_np.max()), max(int(seq_lens_np.max()), 1)
+    starts_np = np.concatenate(([0], np.cumsum(all_query_lens)[:-1]))[seqs]
     token_index_np = np.concatenate([np.arange(s, s + q) for s, q in zip(starts_np, query_lens_np)])
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens_np)
     index_in_seq = np.arange(len(token_index_np)) - np.repeat(np.cumsum(query_lens_np) - query_lens_np, query_lens_np)
@@ -58,23 +59,35 @@ def _build_group(metadata: AttentionMetadata, seqs: np.ndarray) -> _PaddedGroup:
 
 
 class TorchReferenceBackend(AttentionBackend):
+    """Also takes the padding of a captured step, as the Triton backend does: a negative slot stores
+    nothing, a sequence without query tokens is skipped, and a token of no sequence gets a zero row.
+    Without host copies of the lengths (a captured step's metadata), it reads them from the step's
+    tensors, which is how graph capture is emulated on a CPU."""
+
     name = "torch"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        is_decode = metadata.query_lens_cpu == 1
-        groups = [np.flatnonzero(is_decode), np.flatnonzero(~is_decode)]
-        metadata.backend_data = [_build_group(metadata, seqs) for seqs in groups if len(seqs)]
+        if metadata.query_lens_cpu is None:
+            query_lens = np.diff(metadata.query_start_loc.cpu().numpy()).astype(np.int64)
+            seq_lens = metadata.seq_lens.cpu().numpy().astype(np.int64)
+        else:
+            query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+        is_decode = query_lens == 1
+        groups = [np.flatnonzero(is_decode), np.flatnonzero(query_lens > 1)]
+        metadata.backend_data = [_build_group(metadata, query_lens, seq_lens, seqs) for seqs in groups if len(seqs)]
 
     def forward(self, query, key, value, k_cache, v_cache, metadata, scale):
         num_kv_heads, head_size = key.shape[1], key.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head_size)
         flat_v = v_cache.view(-1, num_kv_heads, head_size)
-        flat_k.index_copy_(0, metadata.slot_mapping, key.to(k_cache.dtype))
-        flat_v.index_copy_(0, metadata.slot_mapping, value.to(v_cache.dtype))
+        stored = metadata.slot_mapping >= 0
+        slots = metadata.slot_mapping[stored]
+        flat_k.index_copy_(0, slots, key[stored].to(k_cache.dtype))
+        flat_v.index_copy_(0, slots, value[stored].to(v_cache.dtype))
 
         num_heads = query.shape[1]
         group_size = num_heads // num_kv_heads
-        out = torch.empty_like(query)
+        out = torch.zeros_like(query)
         for group in metadata.backend_data:
             keys = flat_k[group.key_slots].float()  # [B, max_ctx, Hkv, D]
             values = flat_v[group.key_slots].float()

@@ -12,7 +12,9 @@ nothing here synchronises with the host, so a decode-only step can be captured i
   In a decode-only step, token row ``b`` belongs to sequence ``b`` and ``T`` must equal ``num_seqs``.
 - ``num_seqs`` (= B) and, through :meth:`prepare`, ``max_query_len``, ``max_seq_len`` (an upper bound is
   fine: it only picks the number of decode splits) and, for mixed steps, ``query_lens_cpu`` /
-  ``seq_lens_cpu``.
+  ``seq_lens_cpu``. Without those host copies (a captured mixed step, whose contents change from
+  replay to replay) both kernels are launched over every sequence slot: each skips on the device
+  the sequences that belong to the other, and the empty ones.
 - ``backend_data``: the :class:`TritonAttentionPlan` that :meth:`prepare` stored. It also holds the
   split-K workspace allocated by the step's first layer and reused by the others. Under CUDA-graph
   capture, run ``prepare`` for the captured metadata inside the capture (or keep that metadata alive
@@ -75,6 +77,8 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata) -> None:
         if metadata.max_query_len == 1:
             plan = TritonAttentionPlan(True, metadata.num_seqs, False, metadata.max_seq_len)
+        elif metadata.query_lens_cpu is None:  # a captured mixed step: any mix of its sequences
+            plan = TritonAttentionPlan(False, metadata.num_seqs, True, metadata.max_seq_len)
         else:
             is_decode = metadata.query_lens_cpu == 1
             num_decodes = int(is_decode.sum())
