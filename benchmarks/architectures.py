@@ -4,9 +4,9 @@ A benchmark needs the cost of a real model's forward pass, not its answers, so t
 random and nothing is downloaded. The model directory is written once per machine under the cache
 directory (``$NOVAINFER_CACHE`` or ``~/.cache/novainfer``) and reused: transformers builds the
 architecture's class (``Qwen2ForCausalLM(config)``, ``LlamaForCausalLM(config)``) from a fixed seed
-on the benchmark's device and saves it with ``save_pretrained`` in bfloat16, next to the built-in tiny tokenizer (prompts are token ids and
-outputs are not detokenized, so the tokenizer's size does not matter). NovaInfer and the peer load
-the same directory, hence the same weights.
+on the benchmark's device and saves it with ``save_pretrained`` in bfloat16, next to the built-in
+tiny tokenizer (prompts are token ids and outputs are not detokenized, so the tokenizer's size does
+not matter). NovaInfer and the peer load the same directory, hence the same weights.
 """
 
 from __future__ import annotations

@@ -105,15 +105,16 @@ def test_indivisible_heads_fail_at_start_up_naming_the_architecture(tmp_path):
 
 @pytest.mark.parametrize("rope", [
     # transformers 5 spelling, and the older one (a "type" key, rope_theta beside it).
-    dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+    dict(rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32,
                           "rope_theta": 10000.0}),
     dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}, rope_theta=10000.0),
 ])
 def test_unsupported_rope_scaling_is_refused_naming_it(tmp_path, rope):
     model = with_config(transformers_llama(), tmp_path, **rope)
     rope_type = "yarn" if rope.get("rope_parameters") else "dynamic"
-    with pytest.raises(Exception) as info:
+    with pytest.raises(WorkerError) as info:
         LLM(str(model), **ENGINE)
+    assert info.value.method == "load_model" and isinstance(info.value.__cause__, NotImplementedError)
     message = str(info.value)
     assert f"rope_scaling type {rope_type!r} is not supported" in message, message
     assert "['default', 'linear', 'llama3']" in message, message
