@@ -211,7 +211,7 @@ def model_summary(model_dir: str, tiny_overrides: dict[str, Any] | None = None) 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     keys = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-            "tie_word_embeddings", "torch_dtype", "dtype")
+            "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
     summary: dict[str, Any] = {"path": scrub_path(str(model_dir))}
     summary.update({k: config[k] for k in keys if k in config})
     if tiny_overrides is not None:

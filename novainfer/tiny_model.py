@@ -1,4 +1,4 @@
-"""The built-in tiny model: a random-weight Qwen2 with a tokenizer of our own making.
+"""The built-in tiny model: a random-weight Qwen2 (or Llama) with a tokenizer of our own making.
 
 It is written in exactly the Hugging Face layout of a real checkpoint (``config.json``,
 ``*.safetensors``, tokenizer files, ``generation_config.json``) so that the default path of every
@@ -64,6 +64,30 @@ TINY_QWEN2_CONFIG: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
+# Shaped like Llama 3.1 (untied, llama3 RoPE scaling), with head_dim != hidden_size / heads.
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 256},
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {"qwen2": TINY_QWEN2_CONFIG, "llama": TINY_LLAMA_CONFIG}
+
 TOKENIZER_VOCAB_SIZE = 1024
 
 
@@ -85,7 +109,14 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = TOKENIZER_VOCAB_SIZE)
     return hf_tok
 
 
-def _random_qwen2_state_dict(config: dict[str, Any], seed: int, std: float) -> dict[str, torch.Tensor]:
+def _random_state_dict(config: dict[str, Any], seed: int, std: float) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint of ``config``'s architecture, drawn from N(0, std)."""
+    from types import SimpleNamespace
+
+    from novainfer.models.registry import ModelRegistry
+
+    model_cls, _ = ModelRegistry.resolve(config["architectures"])
+    options = model_cls.decoder_options(SimpleNamespace(**config))  # which projections have a bias
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -98,23 +129,24 @@ def _random_qwen2_state_dict(config: dict[str, Any], seed: int, std: float) -> d
         # Not all ones, so that a norm applied with the wrong weight shows up in parity tests.
         return 1.0 + 0.1 * torch.randn(hidden, generator=gen)
 
+    def linear(name: str, out_features: int, in_features: int, bias: bool) -> dict[str, torch.Tensor]:
+        tensors = {f"{name}.weight": randn(out_features, in_features)}
+        if bias:
+            tensors[f"{name}.bias"] = randn(out_features)
+        return tensors
+
     state = {"model.embed_tokens.weight": randn(config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        state.update({
-            f"{p}.self_attn.q_proj.weight": randn(heads * head_dim, hidden),
-            f"{p}.self_attn.q_proj.bias": randn(heads * head_dim),
-            f"{p}.self_attn.k_proj.weight": randn(kv_heads * head_dim, hidden),
-            f"{p}.self_attn.k_proj.bias": randn(kv_heads * head_dim),
-            f"{p}.self_attn.v_proj.weight": randn(kv_heads * head_dim, hidden),
-            f"{p}.self_attn.v_proj.bias": randn(kv_heads * head_dim),
-            f"{p}.self_attn.o_proj.weight": randn(hidden, heads * head_dim),
-            f"{p}.mlp.gate_proj.weight": randn(inter, hidden),
-            f"{p}.mlp.up_proj.weight": randn(inter, hidden),
-            f"{p}.mlp.down_proj.weight": randn(hidden, inter),
-            f"{p}.input_layernorm.weight": norm_weight(),
-            f"{p}.post_attention_layernorm.weight": norm_weight(),
-        })
+        for name, size in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
+                           ("v_proj", kv_heads * head_dim)):
+            state.update(linear(f"{p}.self_attn.{name}", size, hidden, options.qkv_bias))
+        state.update(linear(f"{p}.self_attn.o_proj", hidden, heads * head_dim, options.o_proj_bias))
+        state.update(linear(f"{p}.mlp.gate_proj", inter, hidden, options.mlp_bias))
+        state.update(linear(f"{p}.mlp.up_proj", inter, hidden, options.mlp_bias))
+        state.update(linear(f"{p}.mlp.down_proj", hidden, inter, options.mlp_bias))
+        state[f"{p}.input_layernorm.weight"] = norm_weight()
+        state[f"{p}.post_attention_layernorm.weight"] = norm_weight()
     state["model.norm.weight"] = norm_weight()
     if not config.get("tie_word_embeddings", False):
         state["lm_head.weight"] = randn(config["vocab_size"], hidden)
@@ -137,16 +169,19 @@ def _save_sharded(state: dict[str, torch.Tensor], out_dir: Path, num_shards: int
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def write_random_qwen2(out_dir: str | Path, *, seed: int = 0, std: float = 0.4, num_shards: int = 1,
-                       tokenizer_dir: str | Path | None = None, dtype: str = "float32",
+def write_random_model(out_dir: str | Path, *, arch: str = "qwen2", seed: int = 0, std: float = 0.4,
+                       num_shards: int = 1, tokenizer_dir: str | Path | None = None, dtype: str = "float32",
                        **config_overrides: Any) -> Path:
-    """Writes a random-weight Qwen2 checkpoint directory and returns its path.
+    """Writes a random-weight checkpoint directory of ``arch`` (a key of :data:`TINY_CONFIGS`) and
+    returns its path.
 
     ``tokenizer_dir``: copy that tokenizer (e.g. a real Qwen2 one) instead of training ours; the
     vocabulary size follows the tokenizer unless ``vocab_size`` is given. ``config_overrides``
-    replace entries of :data:`TINY_QWEN2_CONFIG`. Weights are drawn from N(0, std) in float32 and
-    stored as ``dtype``.
+    replace entries of the architecture's tiny config. Weights are drawn from N(0, std) in float32
+    and stored as ``dtype``.
     """
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"arch must be one of {sorted(TINY_CONFIGS)}, got {arch!r}")
     from transformers import AutoTokenizer
 
     out_dir = Path(out_dir)
@@ -156,7 +191,7 @@ def write_random_qwen2(out_dir: str | Path, *, seed: int = 0, std: float = 0.4, 
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         tokenizer.save_pretrained(str(out_dir))
-    config = {**TINY_QWEN2_CONFIG, "vocab_size": len(tokenizer), "torch_dtype": dtype, **config_overrides}
+    config = {**TINY_CONFIGS[arch], "vocab_size": len(tokenizer), "torch_dtype": dtype, **config_overrides}
     if config["vocab_size"] < len(tokenizer):
         raise ValueError(f"vocab_size {config['vocab_size']} is smaller than the tokenizer ({len(tokenizer)} tokens)")
     special = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS if t in tokenizer.get_vocab()}
@@ -166,10 +201,15 @@ def write_random_qwen2(out_dir: str | Path, *, seed: int = 0, std: float = 0.4, 
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids, "do_sample": False}, indent=2))
-    state = _random_qwen2_state_dict(config, seed, std)
+    state = _random_state_dict(config, seed, std)
     torch_dtype = getattr(torch, dtype)
     _save_sharded({k: v.to(torch_dtype).contiguous() for k, v in state.items()}, out_dir, num_shards)
     return out_dir
+
+
+def write_random_qwen2(out_dir: str | Path, **kwargs: Any) -> Path:
+    """:func:`write_random_model` of the tiny Qwen2."""
+    return write_random_model(out_dir, arch="qwen2", **kwargs)
 
 
 def write_mock_model(out_dir: str | Path, max_position_embeddings: int = 512) -> Path:
@@ -189,16 +229,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("NOVAINFER_CACHE", Path.home() / ".cache" / "novainfer"))
 
 
-def get_tiny_model_dir(**overrides: Any) -> Path:
-    """The directory of the built-in tiny model (or a variant), written on first use.
+def get_tiny_model_dir(arch: str = "qwen2", **overrides: Any) -> Path:
+    """The directory of the built-in tiny model of ``arch`` (or a variant), written on first use.
 
     Writing goes to a temporary directory that is renamed into place, so concurrent callers
     (parallel test workers) never see a half-written model.
     """
-    spec = json.dumps({"config": TINY_QWEN2_CONFIG, "overrides": overrides, "vocab": TOKENIZER_VOCAB_SIZE,
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"arch must be one of {sorted(TINY_CONFIGS)}, got {arch!r}")
+    spec = json.dumps({"config": TINY_CONFIGS[arch], "overrides": overrides, "vocab": TOKENIZER_VOCAB_SIZE,
                        "format": 1}, sort_keys=True, default=str)
     digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
-    return write_once(cache_root() / f"tiny-qwen2-{digest}", lambda tmp: write_random_qwen2(tmp, **overrides))
+    return write_once(cache_root() / f"tiny-{arch}-{digest}",
+                      lambda tmp: write_random_model(tmp, arch=arch, **overrides))
 
 
 def write_once(target: Path, write: Callable[[Path], object]) -> Path:

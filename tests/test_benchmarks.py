@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import latency, throughput
-from benchmarks.architectures import get_architecture
+from benchmarks.architectures import ARCHITECTURES, get_architecture, hf_config
 
 
 def test_architecture_preset_rejects_unknown_names_and_fields():
@@ -17,6 +17,38 @@ def test_architecture_preset_rejects_unknown_names_and_fields():
         get_architecture("qwen2-0.6b")
     with pytest.raises(ValueError, match="num_layers"):
         get_architecture("qwen2-0.5b", {"num_layers": 2})
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_presets_build_the_same_model_as_transformers(name):
+    """Each preset's config gives transformers' class and ours the same parameters (two layers, on
+    the meta device: no memory, no time), and the whole model the published parameter count."""
+    import torch
+    import transformers
+
+    from novainfer.model_loader.loader import build_model
+
+    def num_parameters(model) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+    arch = get_architecture(name)
+    two_layers = hf_config(get_architecture(name, {"num_hidden_layers": 2}))
+    assert type(two_layers).__name__ == {"Qwen2ForCausalLM": "Qwen2Config", "LlamaForCausalLM": "LlamaConfig"}[
+        arch.architecture]
+    with torch.device("meta"):
+        theirs = getattr(transformers, arch.architecture)(two_layers)
+    ours = build_model(two_layers, torch.bfloat16, torch.device("meta"))
+    assert type(ours).__name__ == arch.architecture
+    assert num_parameters(ours) == num_parameters(theirs)
+    assert dict((n, p.shape) for n, p in ours.named_parameters() if "layers.1.mlp.down" in n) == {
+        "model.layers.1.mlp.down_proj.weight": (arch.hidden_size, arch.intermediate_size)}
+    published = {"smollm2-135m": 134_515_008, "llama-3.1-8b": 8_030_261_248}
+    if name in published:
+        whole = build_model(hf_config(arch), torch.bfloat16, torch.device("meta"))
+        assert num_parameters(whole) == published[name]
+    if name == "llama-3.1-8b":
+        rope = ours.model.rotary_emb
+        assert (rope.max_position, rope.base, rope.scaling.rope_type, rope.scaling.factor) == (131072, 5e5, "llama3", 8)
 
 
 def test_throughput_against_continuous_batching(tmp_path):

@@ -203,18 +203,18 @@ def test_mis_shaped_embedding_names_weight_and_both_shapes(write):
 
 # ---- (c) architectures --------------------------------------------------------------------------
 def test_unsupported_architecture_is_named_with_supported_list(write):
-    model_dir = write("llama")
+    model_dir = write("unsupported-arch")
     config_path = model_dir / "config.json"
     config = json.loads(config_path.read_text())
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = ["GPTBigCodeForCausalLM"]
     config_path.write_text(json.dumps(config))
     assert "Qwen2ForCausalLM" in ModelRegistry.get_supported_archs()
     with pytest.raises(UnsupportedArchitectureError) as exc:
         load(model_dir)
     msg = str(exc.value)
-    assert "LlamaForCausalLM" in msg and "Qwen2ForCausalLM" in msg
+    assert "GPTBigCodeForCausalLM" in msg and "Qwen2ForCausalLM" in msg
     runner = ModelRunner(ModelConfig(str(model_dir)), CacheConfig(), torch.device("cpu"))
-    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
+    with pytest.raises(UnsupportedArchitectureError, match="GPTBigCodeForCausalLM"):
         runner.load_model()
 
 

@@ -1,4 +1,4 @@
-"""The architecture registry: Qwen2 and the mock model load through the same engine path."""
+"""The architecture registry: Qwen2, Llama and the mock model load through the same engine path."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from novainfer.models import ModelRegistry, UnsupportedArchitectureError
 from novainfer.tiny_model import write_mock_model
 
 
-def test_registry_lists_qwen2_and_mock():
-    assert {"Qwen2ForCausalLM", "NovaInferMockForCausalLM"} <= set(ModelRegistry.get_supported_archs())
+def test_registry_lists_qwen2_llama_and_mock():
+    assert {"Qwen2ForCausalLM", "LlamaForCausalLM", "NovaInferMockForCausalLM"} <= set(
+        ModelRegistry.get_supported_archs())
 
 
 def test_mock_model_runs_through_the_engine(tmp_path):

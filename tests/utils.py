@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import json
 import random
 from pathlib import Path
 
 import torch
 from transformers.utils import logging as transformers_logging
 
-from novainfer.tiny_model import get_tiny_model_dir
+from novainfer.tiny_model import build_tokenizer, cache_root, get_tiny_model_dir, write_once
 from tests._tokenizers import QWEN2_TOKENIZER_DIR
 
 
@@ -37,6 +39,40 @@ def random_ids(rng: random.Random | int, n: int, vocab_size: int) -> list[int]:
 def qwen2_tokenizer_model(**overrides) -> Path:
     """A tiny random model around the real Qwen2 tokenizer (callers skip when it is absent)."""
     return get_tiny_model_dir(tokenizer_dir=str(QWEN2_TOKENIZER_DIR), **overrides)
+
+
+# The base of the Llama variants that transformers itself builds (``transformers_llama``).
+TINY_HF_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     tie_word_embeddings=False)
+
+
+def transformers_llama(**overrides) -> Path:
+    """A tiny random Llama written by transformers (``LlamaConfig`` + ``LlamaForCausalLM``, saved with
+    ``save_pretrained``) next to the tiny tokenizer: its config spelling and checkpoint names are
+    transformers' own, not our writer's. Cached like :func:`tiny_model`."""
+    import transformers
+
+    config = {**TINY_HF_LLAMA, **overrides}
+    spec = json.dumps({"config": config, "transformers": transformers.__version__, "format": 1}, sort_keys=True)
+    digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
+    return write_once(cache_root() / f"tiny-hf-llama-{digest}", lambda tmp: _write_transformers_llama(tmp, config))
+
+
+def _write_transformers_llama(out_dir: Path, config: dict, seed: int = 0, std: float = 0.4) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(out_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, **config))
+    # transformers initialises with std 0.02: near-uniform logits whose greedy choices are near-ties
+    # that summation order decides. Larger weights make every choice clear.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
+    model.save_pretrained(str(out_dir))
 
 
 @functools.lru_cache(maxsize=8)

@@ -35,9 +35,11 @@ ModelRegistry = _ModelRegistry()
 
 
 def _register_builtin_models() -> None:
+    from novainfer.models.llama import LlamaForCausalLM
     from novainfer.models.mock import MockForCausalLM
     from novainfer.models.qwen2 import Qwen2ForCausalLM
 
+    ModelRegistry.register("LlamaForCausalLM", LlamaForCausalLM)
     ModelRegistry.register("Qwen2ForCausalLM", Qwen2ForCausalLM)
     ModelRegistry.register("NovaInferMockForCausalLM", MockForCausalLM)
 

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.gpu
 
 CONFIGS = {
     "tiny": {},
+    # The tiny Llama: llama3 RoPE scaling, head_dim 32 with hidden 64 and 4 heads; here with biases.
+    "tiny-llama-bias": dict(arch="llama", attention_bias=True, mlp_bias=True),
     "ratio7-hd64": dict(num_attention_heads=14, num_key_value_heads=2, head_dim=64, hidden_size=896,
                         intermediate_size=4864, num_hidden_layers=4, tie_word_embeddings=True, std=0.05),
     "ratio6-hd128": dict(num_attention_heads=12, num_key_value_heads=2, head_dim=128, hidden_size=1536,

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from novainfer.entrypoints.cli import args as cli_args
+from novainfer.tiny_model import TINY_CONFIGS
 
 
 def _build_llm(ns: argparse.Namespace):
@@ -56,10 +57,10 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 def cmd_tiny_model(ns: argparse.Namespace) -> int:
     import json
 
-    from novainfer.tiny_model import write_random_qwen2
+    from novainfer.tiny_model import write_random_model
 
     overrides = json.loads(ns.config) if ns.config else {}
-    path = write_random_qwen2(ns.out, seed=ns.seed, **overrides)
+    path = write_random_model(ns.out, arch=ns.arch, seed=ns.seed, **overrides)
     print(path)
     return 0
 
@@ -87,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
-    tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Qwen2 model directory")
+    tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Qwen2 (or Llama) model directory")
     tiny.add_argument("--out", required=True)
+    tiny.add_argument("--arch", default="qwen2", choices=sorted(TINY_CONFIGS), help="architecture (default: qwen2)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--config", default=None, help="JSON object of config.json overrides")
     tiny.set_defaults(func=cmd_tiny_model)
