@@ -6,6 +6,8 @@ Tolerance: 1e-4 absolute on logits of magnitude O(1)-O(10) (summation order only
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -58,7 +60,7 @@ def test_greedy_parity_in_mixed_batches(model, path, vocab_size):
     one batch), and its prompt is split over two batches. Next tokens equal transformers' greedy."""
     prompts = [random_ids(10 + i, n, vocab_size) for i, n in enumerate([5, 12, 8])]
     num_new = 6
-    expected = [hf_greedy(path, p, num_new) for p in prompts]
+    expected = [_hf_greedy(path, tuple(p), num_new) for p in prompts]
     outputs: list[list[int]] = [[], [], []]
     pending = {0: prompts[0], 1: prompts[1]}
     step = 0
@@ -76,6 +78,11 @@ def test_greedy_parity_in_mixed_batches(model, path, vocab_size):
         pending = {s: [o[-1]] for s, o in enumerate(outputs) if o and len(o) < num_new}
         step += 1
     assert outputs == expected
+
+
+@functools.cache
+def _hf_greedy(path, prompt: tuple[int, ...], num_new: int) -> list[int]:
+    return hf_greedy(path, list(prompt), num_new)
 
 
 def test_tokens_listed_in_any_order_across_sequences(model, path, vocab_size):

@@ -10,6 +10,7 @@ the field on bad input.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,8 +37,11 @@ class Batch:
     @classmethod
     def get_one(cls, tokens: Sequence[int]) -> Batch:
         """``tokens`` of sequence 0 at the positions after what it holds; logits for the last one."""
-        batch = cls(max(len(tokens), 1))
-        batch.token[:len(tokens)] = tokens
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or not len(ids) or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"tokens: expected a non-empty sequence of integer token ids, got {tokens!r}")
+        batch = cls(len(ids))
+        batch.token[:] = ids
         batch.pos = None
         batch.n_seq_id[:] = 1
         batch.logits[len(tokens) - 1:len(tokens)] = True
@@ -51,6 +55,8 @@ class Batch:
     def add(self, token: int, pos: int, seq_ids: Sequence[int], logits: bool = False) -> None:
         """Appends one token (llama.cpp's ``common_batch_add``)."""
         i = self.n_tokens
+        if not isinstance(token, numbers.Integral) or not isinstance(pos, numbers.Integral):
+            raise ValueError(f"token and pos must be integers, got token={token!r}, pos={pos!r}")
         if i >= self.capacity:
             raise ValueError(f"n_tokens: the batch is full ({self.capacity} tokens)")
         if not 1 <= len(seq_ids) <= self.seq_id.shape[1]:
