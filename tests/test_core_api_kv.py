@@ -211,6 +211,20 @@ def test_seq_add_of_shared_cells_without_room_changes_nothing(model, vocab_size)
     assert_same_state(model, state)
 
 
+def test_a_failing_operation_reports_internal_error_and_keeps_the_metadata(model, vocab_size, monkeypatch):
+    fill(model, 0, random_ids(21, 5, vocab_size))
+    model.kv_seq_cp(1, 0)
+    before = model.kv_cells_dump()
+
+    def fail(*_):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(model, "_rotate", fail)
+    assert model.kv_seq_add(1, 0, -1, 2) == KvStatus.INTERNAL_ERROR
+    assert "device lost" in model.last_error
+    assert model.kv_cells_dump() == before
+
+
 # ---- resource exhaustion -------------------------------------------------------------------------
 def test_full_cache_returns_1_and_changes_nothing(model, path, vocab_size):
     prompt = random_ids(16, 60, vocab_size)

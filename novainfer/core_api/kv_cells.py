@@ -159,10 +159,3 @@ class KvCells:
         self.seqs[:] = False
         self.used[:] = False
         self._sorted = [np.zeros(0, dtype=np.int64)] * self.n_seq_max
-
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.pos.copy(), self.seqs.copy(), self.used.copy()
-
-    def restore(self, state: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        self.pos[:], self.seqs[:], self.used[:] = state
-        self._sorted = [None] * self.n_seq_max

@@ -102,6 +102,7 @@ class Model:
         self._abort_callback: Callable[[], bool] | None = None
         self.last_error: str | None = None
         self.last_token_cells: list[int] = []  # cell of each token of the last successful decode
+        self._no_logits = torch.zeros(0, self.n_vocab, dtype=torch.float32, device=device)
         self._reset_outputs()
 
     @classmethod
@@ -289,7 +290,7 @@ class Model:
 
     # ---- outputs -------------------------------------------------------------------------------
     def _reset_outputs(self) -> None:
-        self._logits = torch.zeros(0, self.n_vocab, dtype=torch.float32, device=self.device)
+        self._logits = self._no_logits
         self._output_ids = np.zeros(0, dtype=np.int64)
         self._output_row = np.zeros(0, dtype=np.int64)
 
@@ -332,10 +333,11 @@ class Model:
         return int(seq)
 
     def _kv_op(self, op: Callable[[], KvStatus]) -> KvStatus:
-        """Runs a KV operation: bad ids give INVALID_SEQ, failures INTERNAL_ERROR with the metadata
-        restored; ``last_error`` says why for every status but OK."""
+        """Runs a KV operation: bad ids give INVALID_SEQ, failures INTERNAL_ERROR (every operation
+        changes cell metadata only after its tensor work, so the metadata is then as before; keys
+        that ``kv_seq_add`` was rotating may be left half rotated). ``last_error`` says why for
+        every status but OK."""
         self.last_error = None
-        state = self.cells.snapshot()
         try:
             return op()
         except _InvalidInput as exc:
@@ -343,7 +345,6 @@ class Model:
             return KvStatus.INVALID_SEQ
         except Exception as exc:
             logger.exception("KV operation failed")
-            self.cells.restore(state)
             self.last_error = f"{type(exc).__name__}: {exc}"
             return KvStatus.INTERNAL_ERROR
 
@@ -407,25 +408,28 @@ class Model:
                 self.last_error = (f"delta {delta} moves position {int(new_pos.max()) - delta} to "
                                    f"{int(new_pos.max())}, past the model's limit {self.max_position - 1}")
                 return KvStatus.INVALID_POS
-            stay = cells[new_pos >= 0]
+            gone, stay = cells[new_pos < 0], cells[new_pos >= 0]
             shared = np.flatnonzero(self.cells.seqs[:, stay].sum(axis=0) > 1)
             free = self.cells.free_cells(len(shared))
             if len(free) < len(shared):
                 self.last_error = (f"no KV slot: moving cells shared with other sequences needs {len(shared)} "
                                    f"free cells, {len(free)} are free")
                 return KvStatus.OOM_SLOT
-            self.cells.remove(s, cells[new_pos < 0])
-            if len(shared):
-                self._copy_cells(stay[shared], free)
-                self.cells.move(s, stay[shared], free)
-                stay = stay.copy()
-                stay[shared] = free
-            self._rotate(stay, delta)
-            self.cells.shift(stay, delta)
+            targets = stay.copy()
+            targets[shared] = free
+            # Tensors first (into free cells, or cells only seq owns), metadata last: a failure
+            # leaves the metadata as it was.
+            self._copy_cells(stay[shared], free)
+            self._rotate(targets, delta)
+            self.cells.remove(s, gone)
+            self.cells.move(s, stay[shared], free)
+            self.cells.shift(targets, delta)
             return KvStatus.OK
         return self._kv_op(op)
 
     def _copy_cells(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if not len(src):
+            return
         src_t, dst_t = (torch.from_numpy(a.astype(np.int64)).to(self.device) for a in (src, dst))
         for layer in self._layers:
             for cache in (layer.k_cache, layer.v_cache):
@@ -433,6 +437,8 @@ class Model:
                 flat.index_copy_(0, dst_t, flat[src_t])
 
     def _rotate(self, cells: np.ndarray, delta: int) -> None:
+        if not len(cells):
+            return
         cells_t = torch.from_numpy(cells.astype(np.int64)).to(self.device)
         with torch.inference_mode():
             for layer, rotary in zip(self._layers, self._rotaries):
