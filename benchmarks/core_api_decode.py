@@ -94,7 +94,6 @@ def run_core_api(args, model_dir: str, device, prompts: list[list[int]]) -> tupl
     elapsed = _timed_steps(step, args, device)
     result = {"name": f"core_api Model.decode (attention={args.attention})", "prefill_s": round(prefill_s, 3),
               **_rates(elapsed, args, n), "kv_cells": model.n_ctx, "kv_cells_used": model.kv_used_cells()}
-    del model
     return result, outputs
 
 
@@ -128,7 +127,6 @@ def run_engine(args, model_dir: str, device, prompts: list[list[int]]) -> tuple[
     result = {"name": "engine ModelRunner.forward" + (" (CUDA graphs)" if runner.graphs else ""),
               "prefill_s": round(prefill_s, 3), **_rates(elapsed, args, n), "kv_blocks": runner.num_blocks,
               "block_size": args.block_size}
-    del runner
     return result, outputs
 
 

@@ -21,14 +21,23 @@ def path():
     return tiny_model()
 
 
-@pytest.fixture(scope="module", params=["auto", "masked"])
-def model(request, path):
-    return Model.from_pretrained(path, device="cpu", n_ctx=64, n_seq_max=4, attention=request.param)
+@pytest.fixture(scope="module")
+def models(path):
+    return {a: Model.from_pretrained(path, device="cpu", n_ctx=64, n_seq_max=4, attention=a) for a in ("auto", "masked")}
 
 
-@pytest.fixture(autouse=True)
-def _empty_cache(model):
-    model.kv_clear()
+@pytest.fixture(params=["auto", "masked"])
+def model(request, models):
+    """Each attention path, for the tests whose outcome goes through attention."""
+    models[request.param].kv_clear()
+    return models[request.param]
+
+
+@pytest.fixture
+def kv_model(models):
+    """One model, for the tests of cell metadata alone."""
+    models["auto"].kv_clear()
+    return models["auto"]
 
 
 def fill(model: Model, seq: int, tokens: list[int], start: int = 0) -> None:
@@ -88,82 +97,82 @@ def test_tokens_in_several_sequences_are_seen_by_each(model, path, vocab_size):
 
 
 # ---- kv_seq_* ---------------------------------------------------------------------------------------
-def test_seq_rm_half_open_range_and_its_conventions(model, vocab_size):
-    fill(model, 0, random_ids(4, 10, vocab_size))
-    assert model.kv_seq_rm(0, 2, 5) == KvStatus.OK
-    assert positions(model, 0) == [0, 1, 5, 6, 7, 8, 9]  # p0 inclusive, p1 exclusive
-    assert model.kv_seq_rm(0, 8, -1) == KvStatus.OK  # negative p1: to the end
-    assert positions(model, 0) == [0, 1, 5, 6, 7]
-    assert model.kv_seq_rm(0, -1, 1) == KvStatus.OK  # negative p0: from 0
-    assert positions(model, 0) == [1, 5, 6, 7]
-    assert (model.kv_seq_pos_min(0), model.kv_seq_pos_max(0)) == (1, 7)
-    before = model.kv_cells_dump()
-    assert model.kv_seq_rm(0, 20, 30) == KvStatus.OK  # matches nothing: nothing to do
-    assert model.kv_seq_rm(1, 0, -1) == KvStatus.OK  # a sequence with no cells
-    assert model.kv_seq_rm(0, 6, 6) == KvStatus.EMPTY_RANGE
-    assert model.kv_seq_rm(0, 7, 3) == KvStatus.EMPTY_RANGE
-    assert model.kv_seq_rm(4, 0, -1) == KvStatus.INVALID_SEQ and "n_seq_max" in model.last_error
-    assert model.kv_cells_dump() == before
-    assert model.kv_seq_rm(-1, -1, -1) == KvStatus.OK  # any sequence, every position
-    assert model.kv_used_cells() == 0 and model.kv_seq_pos_max(0) == -1 and model.kv_seq_pos_min(0) == -1
+def test_seq_rm_half_open_range_and_its_conventions(kv_model, vocab_size):
+    fill(kv_model, 0, random_ids(4, 10, vocab_size))
+    assert kv_model.kv_seq_rm(0, 2, 5) == KvStatus.OK
+    assert positions(kv_model, 0) == [0, 1, 5, 6, 7, 8, 9]  # p0 inclusive, p1 exclusive
+    assert kv_model.kv_seq_rm(0, 8, -1) == KvStatus.OK  # negative p1: to the end
+    assert positions(kv_model, 0) == [0, 1, 5, 6, 7]
+    assert kv_model.kv_seq_rm(0, -1, 1) == KvStatus.OK  # negative p0: from 0
+    assert positions(kv_model, 0) == [1, 5, 6, 7]
+    assert (kv_model.kv_seq_pos_min(0), kv_model.kv_seq_pos_max(0)) == (1, 7)
+    before = kv_model.kv_cells_dump()
+    assert kv_model.kv_seq_rm(0, 20, 30) == KvStatus.OK  # matches nothing: nothing to do
+    assert kv_model.kv_seq_rm(1, 0, -1) == KvStatus.OK  # a sequence with no cells
+    assert kv_model.kv_seq_rm(0, 6, 6) == KvStatus.EMPTY_RANGE
+    assert kv_model.kv_seq_rm(0, 7, 3) == KvStatus.EMPTY_RANGE
+    assert kv_model.kv_seq_rm(4, 0, -1) == KvStatus.INVALID_SEQ and "n_seq_max" in kv_model.last_error
+    assert kv_model.kv_cells_dump() == before
+    assert kv_model.kv_seq_rm(-1, -1, -1) == KvStatus.OK  # any sequence, every position
+    assert kv_model.kv_used_cells() == 0 and kv_model.kv_seq_pos_max(0) == -1 and kv_model.kv_seq_pos_min(0) == -1
 
 
-def test_seq_rm_of_one_owner_keeps_shared_cells(model, vocab_size):
-    fill(model, 0, random_ids(5, 6, vocab_size))
-    assert model.kv_seq_cp(1, 0, 2, 4) == KvStatus.OK
-    assert positions(model, 1) == [2, 3]
-    assert model.kv_seq_rm(0, -1, -1) == KvStatus.OK
-    assert model.kv_used_cells() == 2 and positions(model, 1) == [2, 3]  # still owned by sequence 1
-    assert model.kv_seq_rm(-1, 3, 4) == KvStatus.OK
-    assert positions(model, 1) == [2]
+def test_seq_rm_of_one_owner_keeps_shared_cells(kv_model, vocab_size):
+    fill(kv_model, 0, random_ids(5, 6, vocab_size))
+    assert kv_model.kv_seq_cp(1, 0, 2, 4) == KvStatus.OK
+    assert positions(kv_model, 1) == [2, 3]
+    assert kv_model.kv_seq_rm(0, -1, -1) == KvStatus.OK
+    assert kv_model.kv_used_cells() == 2 and positions(kv_model, 1) == [2, 3]  # still owned by sequence 1
+    assert kv_model.kv_seq_rm(-1, 3, 4) == KvStatus.OK
+    assert positions(kv_model, 1) == [2]
 
 
-def test_freed_cells_are_reused(model, vocab_size):
-    fill(model, 0, random_ids(6, 40, vocab_size))
-    fill(model, 1, random_ids(7, 24, vocab_size))
-    assert model.kv_used_cells() == 64
-    code, _ = decode_seqs(model, {2: [5]})
-    assert code == 1 and "no KV slot" in model.last_error
-    freed = {c.cell for c in model.kv_cells_dump(used_only=True) if c.seq_ids == [0] and 10 <= c.pos < 14}
-    assert model.kv_seq_rm(0, 10, 14) == KvStatus.OK
-    code, _ = decode_seqs(model, {2: [5, 6, 7, 8]})
-    assert code == 0, model.last_error
-    assert set(model.last_token_cells) == freed
+def test_freed_cells_are_reused(kv_model, vocab_size):
+    fill(kv_model, 0, random_ids(6, 40, vocab_size))
+    fill(kv_model, 1, random_ids(7, 24, vocab_size))
+    assert kv_model.kv_used_cells() == 64
+    code, _ = decode_seqs(kv_model, {2: [5]})
+    assert code == 1 and "no KV slot" in kv_model.last_error
+    freed = {c.cell for c in kv_model.kv_cells_dump(used_only=True) if c.seq_ids == [0] and 10 <= c.pos < 14}
+    assert kv_model.kv_seq_rm(0, 10, 14) == KvStatus.OK
+    code, _ = decode_seqs(kv_model, {2: [5, 6, 7, 8]})
+    assert code == 0, kv_model.last_error
+    assert set(kv_model.last_token_cells) == freed
 
 
-def test_seq_keep(model, vocab_size):
-    fill(model, 0, random_ids(8, 4, vocab_size))
-    fill(model, 1, random_ids(9, 3, vocab_size))
-    model.kv_seq_cp(2, 0)
-    assert model.kv_seq_keep(2) == KvStatus.OK
-    assert model.kv_used_cells() == 4 and positions(model, 2) == [0, 1, 2, 3]
-    assert model.kv_seq_pos_max(0) == model.kv_seq_pos_max(1) == -1
-    assert model.kv_seq_keep(-1) == KvStatus.INVALID_SEQ
+def test_seq_keep(kv_model, vocab_size):
+    fill(kv_model, 0, random_ids(8, 4, vocab_size))
+    fill(kv_model, 1, random_ids(9, 3, vocab_size))
+    kv_model.kv_seq_cp(2, 0)
+    assert kv_model.kv_seq_keep(2) == KvStatus.OK
+    assert kv_model.kv_used_cells() == 4 and positions(kv_model, 2) == [0, 1, 2, 3]
+    assert kv_model.kv_seq_pos_max(0) == kv_model.kv_seq_pos_max(1) == -1
+    assert kv_model.kv_seq_keep(-1) == KvStatus.INVALID_SEQ
 
 
-def test_seq_cp_statuses(model, vocab_size):
-    fill(model, 0, random_ids(10, 5, vocab_size))
-    assert model.kv_seq_cp(0, 0) == KvStatus.OK and positions(model, 0) == [0, 1, 2, 3, 4]
-    assert model.kv_seq_cp(1, 0, 3, 3) == KvStatus.EMPTY_RANGE
-    assert model.kv_seq_cp(1, 0, 9, 12) == KvStatus.OK and positions(model, 1) == []
-    assert model.kv_seq_cp(1, -1) == KvStatus.INVALID_SEQ
-    assert model.kv_seq_cp(7, 0) == KvStatus.INVALID_SEQ
-    assert model.kv_seq_cp(1, 0, 4, -1) == KvStatus.OK and positions(model, 1) == [4]
-    assert model.kv_used_cells() == 5
+def test_seq_cp_statuses(kv_model, vocab_size):
+    fill(kv_model, 0, random_ids(10, 5, vocab_size))
+    assert kv_model.kv_seq_cp(0, 0) == KvStatus.OK and positions(kv_model, 0) == [0, 1, 2, 3, 4]
+    assert kv_model.kv_seq_cp(1, 0, 3, 3) == KvStatus.EMPTY_RANGE
+    assert kv_model.kv_seq_cp(1, 0, 9, 12) == KvStatus.OK and positions(kv_model, 1) == []
+    assert kv_model.kv_seq_cp(1, -1) == KvStatus.INVALID_SEQ
+    assert kv_model.kv_seq_cp(7, 0) == KvStatus.INVALID_SEQ
+    assert kv_model.kv_seq_cp(1, 0, 4, -1) == KvStatus.OK and positions(kv_model, 1) == [4]
+    assert kv_model.kv_used_cells() == 5
     with pytest.raises(ValueError, match="n_seq_max"):
-        model.kv_seq_pos_max(9)
+        kv_model.kv_seq_pos_max(9)
 
 
-def test_seq_add_range_statuses(model, vocab_size):
-    fill(model, 0, random_ids(11, 8, vocab_size))
-    assert model.kv_seq_add(0, 5, 5, 3) == KvStatus.EMPTY_RANGE
-    assert model.kv_seq_add(0, 20, -1, 3) == KvStatus.OK  # matches nothing
-    assert model.kv_seq_add(0, 0, -1, model.max_position) == KvStatus.INVALID_POS
-    assert "limit" in model.last_error
-    assert model.kv_seq_add(-1, 0, -1, 1) == KvStatus.INVALID_SEQ
-    assert positions(model, 0) == list(range(8))
-    assert model.kv_seq_add(0, 4, 6, 10) == KvStatus.OK  # [4, 6) moves to 14, 15
-    assert positions(model, 0) == [0, 1, 2, 3, 6, 7, 14, 15]
+def test_seq_add_range_statuses(kv_model, vocab_size):
+    fill(kv_model, 0, random_ids(11, 8, vocab_size))
+    assert kv_model.kv_seq_add(0, 5, 5, 3) == KvStatus.EMPTY_RANGE
+    assert kv_model.kv_seq_add(0, 20, -1, 3) == KvStatus.OK  # matches nothing
+    assert kv_model.kv_seq_add(0, 0, -1, kv_model.max_position) == KvStatus.INVALID_POS
+    assert "limit" in kv_model.last_error
+    assert kv_model.kv_seq_add(-1, 0, -1, 1) == KvStatus.INVALID_SEQ
+    assert positions(kv_model, 0) == list(range(8))
+    assert kv_model.kv_seq_add(0, 4, 6, 10) == KvStatus.OK  # [4, 6) moves to 14, 15
+    assert positions(kv_model, 0) == [0, 1, 2, 3, 6, 7, 14, 15]
 
 
 @pytest.mark.parametrize("delta", [10, -3])
@@ -180,11 +189,11 @@ def test_seq_add_attention_at_the_new_positions(model, path, vocab_size, delta):
     torch.testing.assert_close(model.get_logits_ith(0), expected, atol=ATOL, rtol=0)
 
 
-def test_seq_add_below_zero_removes_those_cells(model, vocab_size):
-    fill(model, 0, random_ids(12, 6, vocab_size))
-    assert model.kv_seq_add(0, 0, 4, -2) == KvStatus.OK
-    assert positions(model, 0) == [0, 1, 4, 5]  # 0 and 1 went below zero and left; 2, 3 -> 0, 1
-    assert model.kv_used_cells() == 4
+def test_seq_add_below_zero_removes_those_cells(kv_model, vocab_size):
+    fill(kv_model, 0, random_ids(12, 6, vocab_size))
+    assert kv_model.kv_seq_add(0, 0, 4, -2) == KvStatus.OK
+    assert positions(kv_model, 0) == [0, 1, 4, 5]  # 0 and 1 went below zero and left; 2, 3 -> 0, 1
+    assert kv_model.kv_used_cells() == 4
 
 
 def test_seq_add_on_shared_cells_moves_only_that_sequence(model, path, vocab_size):
@@ -202,27 +211,27 @@ def test_seq_add_on_shared_cells_moves_only_that_sequence(model, path, vocab_siz
                                hf_logits_at(path, prompt + [22], list(range(3, 9)))[-1], atol=ATOL, rtol=0)
 
 
-def test_seq_add_of_shared_cells_without_room_changes_nothing(model, vocab_size):
-    fill(model, 0, random_ids(14, 40, vocab_size))
-    model.kv_seq_cp(1, 0)
-    fill(model, 2, random_ids(15, 20, vocab_size))
-    state = kv_state(model)
-    assert model.kv_seq_add(1, 0, -1, 2) == KvStatus.OOM_SLOT and "free cells" in model.last_error
-    assert_same_state(model, state)
+def test_seq_add_of_shared_cells_without_room_changes_nothing(kv_model, vocab_size):
+    fill(kv_model, 0, random_ids(14, 40, vocab_size))
+    kv_model.kv_seq_cp(1, 0)
+    fill(kv_model, 2, random_ids(15, 20, vocab_size))
+    state = kv_state(kv_model)
+    assert kv_model.kv_seq_add(1, 0, -1, 2) == KvStatus.OOM_SLOT and "free cells" in kv_model.last_error
+    assert_same_state(kv_model, state)
 
 
-def test_a_failing_operation_reports_internal_error_and_keeps_the_metadata(model, vocab_size, monkeypatch):
-    fill(model, 0, random_ids(21, 5, vocab_size))
-    model.kv_seq_cp(1, 0)
-    before = model.kv_cells_dump()
+def test_a_failing_operation_reports_internal_error_and_keeps_the_metadata(kv_model, vocab_size, monkeypatch):
+    fill(kv_model, 0, random_ids(21, 5, vocab_size))
+    kv_model.kv_seq_cp(1, 0)
+    before = kv_model.kv_cells_dump()
 
     def fail(*_):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(model, "_rotate", fail)
-    assert model.kv_seq_add(1, 0, -1, 2) == KvStatus.INTERNAL_ERROR
-    assert "device lost" in model.last_error
-    assert model.kv_cells_dump() == before
+    monkeypatch.setattr(kv_model, "_rotate", fail)
+    assert kv_model.kv_seq_add(1, 0, -1, 2) == KvStatus.INTERNAL_ERROR
+    assert "device lost" in kv_model.last_error
+    assert kv_model.kv_cells_dump() == before
 
 
 # ---- resource exhaustion -------------------------------------------------------------------------

@@ -57,12 +57,29 @@ class _Step:
     output_ids: np.ndarray  # batch indices of the tokens with logits
 
 
-def _int_array(value, field: str, ndim: int) -> np.ndarray:
-    array = value.numpy(force=True) if isinstance(value, torch.Tensor) else np.asarray(value)
-    if array.ndim != ndim or not (np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_):
-        raise _InvalidInput(f"{field}: expected a {ndim}-d integer array, got dtype {array.dtype} "
-                            f"with shape {array.shape}")
-    return array
+def _read_arrays(batch: Batch, n: int) -> dict[str, np.ndarray]:
+    """The first ``n`` entries of each of the batch's arrays (``pos`` only when present), checked to
+    be integer (or bool) arrays of the right rank that hold ``n`` tokens."""
+    fields = {"token": (batch.token, 1), "n_seq_id": (batch.n_seq_id, 1), "seq_id": (batch.seq_id, 2),
+              "logits": (batch.logits, 1)}
+    if batch.pos is not None:
+        fields["pos"] = (batch.pos, 1)
+    arrays = {}
+    for field, (value, ndim) in fields.items():
+        array = value.numpy(force=True) if isinstance(value, torch.Tensor) else np.asarray(value)
+        if array.ndim != ndim or not (np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_):
+            raise _InvalidInput(f"{field}: expected a {ndim}-d integer array, got dtype {array.dtype} "
+                                f"with shape {array.shape}")
+        if len(array) < n:
+            raise _InvalidInput(f"n_tokens: {n} tokens but {field} holds only {len(array)}")
+        arrays[field] = array[:n]
+    return arrays
+
+
+def _on(device: torch.device, array: np.ndarray, dtype=None) -> torch.Tensor:
+    """A host array copied to ``device`` (as ``dtype`` when given)."""
+    array = np.ascontiguousarray(array if dtype is None else array.astype(dtype))
+    return torch.from_numpy(array).to(device, non_blocking=True)
 
 
 class Model:
@@ -177,37 +194,33 @@ class Model:
         n = batch.n_tokens
         if not isinstance(n, numbers.Integral) or not 1 <= n <= self.n_batch:
             raise _InvalidInput(f"n_tokens: must be an integer in [1, n_batch={self.n_batch}], got {n!r}")
-        fields = {"token": (batch.token, 1), "n_seq_id": (batch.n_seq_id, 1), "seq_id": (batch.seq_id, 2),
-                  "logits": (batch.logits, 1)}
-        if batch.pos is not None:
-            fields["pos"] = (batch.pos, 1)
-        arrays = {}
-        for field, (value, ndim) in fields.items():
-            arrays[field] = array = _int_array(value, field, ndim)
-            if len(array) < n:
-                raise _InvalidInput(f"n_tokens: {n} tokens but {field} holds only {len(array)}")
-        tokens = arrays["token"][:n].astype(np.int64)
+        arrays = _read_arrays(batch, n)
+        tokens = arrays["token"].astype(np.int64)
         bad = np.flatnonzero((tokens < 0) | (tokens >= self.n_vocab))
         if len(bad):
             raise _InvalidInput(f"token[{bad[0]}] = {tokens[bad[0]]} is outside the vocabulary [0, {self.n_vocab})")
-        seq_id = arrays["seq_id"][:n]
-        n_seq_id = arrays["n_seq_id"][:n]
-        bad = np.flatnonzero((n_seq_id < 1) | (n_seq_id > seq_id.shape[1]))
-        if len(bad):
-            raise _InvalidInput(f"n_seq_id[{bad[0]}] = {n_seq_id[bad[0]]} is outside [1, {seq_id.shape[1]}]")
-        token_seqs = np.zeros((n, self.n_seq_max), dtype=bool)
-        for i in range(n):
-            ids = seq_id[i, :n_seq_id[i]]
-            if ((ids < 0) | (ids >= self.n_seq_max)).any() or len(set(ids.tolist())) != len(ids):
-                raise _InvalidInput(f"seq_id[{i}] = {ids.tolist()}: sequence ids must be distinct and in "
-                                    f"[0, n_seq_max={self.n_seq_max})")
-            token_seqs[i, ids] = True
-        logits = arrays["logits"][:n].astype(bool)
+        n_seq_id, seq_id = arrays["n_seq_id"], arrays["seq_id"]
+        token_seqs = self._sequence_sets(n_seq_id, seq_id)
+        logits = arrays["logits"].astype(bool)
         if not logits.any():
             raise _InvalidInput("logits: no token of the batch has its logits flag set; set it for at least one")
         positions = self._positions(arrays.get("pos"), n, n_seq_id, seq_id)
         return _Step(tokens, positions, token_seqs, seq_id[:, 0].astype(np.int64), bool((n_seq_id == 1).all()),
                      np.flatnonzero(logits))
+
+    def _sequence_sets(self, n_seq_id: np.ndarray, seq_id: np.ndarray) -> np.ndarray:
+        """[T, n_seq_max] bool: the sequences of each token, checked."""
+        bad = np.flatnonzero((n_seq_id < 1) | (n_seq_id > seq_id.shape[1]))
+        if len(bad):
+            raise _InvalidInput(f"n_seq_id[{bad[0]}] = {n_seq_id[bad[0]]} is outside [1, {seq_id.shape[1]}]")
+        token_seqs = np.zeros((len(n_seq_id), self.n_seq_max), dtype=bool)
+        for i, count in enumerate(n_seq_id.tolist()):
+            ids = seq_id[i, :count]
+            if ((ids < 0) | (ids >= self.n_seq_max)).any() or len(set(ids.tolist())) != count:
+                raise _InvalidInput(f"seq_id[{i}] = {ids.tolist()}: sequence ids must be distinct and in "
+                                    f"[0, n_seq_max={self.n_seq_max})")
+            token_seqs[i, ids] = True
+        return token_seqs
 
     def _positions(self, pos: np.ndarray | None, n: int, n_seq_id: np.ndarray, seq_id: np.ndarray) -> np.ndarray:
         """Each token's position (given, or right after its sequences' last); checked to increase
@@ -238,11 +251,10 @@ class Model:
             metadata, order = self._paged_metadata(step, cells)
         else:
             metadata, order = self._masked_metadata(step, cells), np.arange(len(cells))
-        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
-        hidden = self.model(to_device(step.tokens[order]), to_device(step.positions[order]), metadata)
+        hidden = self.model(_on(self.device, step.tokens[order]), _on(self.device, step.positions[order]), metadata)
         row_of_token = np.empty(len(order), dtype=np.int64)
         row_of_token[order] = np.arange(len(order))
-        return self.model.compute_logits(hidden[to_device(row_of_token[step.output_ids])]).float()
+        return self.model.compute_logits(hidden[_on(self.device, row_of_token[step.output_ids])]).float()
 
     def _paged_metadata(self, step: _Step, cells: np.ndarray) -> tuple[AttentionMetadata, np.ndarray]:
         """Tokens grouped by sequence (batch order kept within each); each sequence's block table is
@@ -259,12 +271,12 @@ class Model:
         for b, context in enumerate(contexts):
             block_tables[b, :len(context)] = context
             block_tables[b, len(context):seq_lens[b]] = new_cells[query_start[b]:query_start[b + 1]]
-        dev = lambda a, dtype: torch.from_numpy(a.astype(dtype)).to(self.device, non_blocking=True)
+        dev = self.device
         metadata = AttentionMetadata(
             num_tokens=len(cells), num_seqs=len(seqs), block_size=1, max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()), query_start_loc=dev(query_start, np.int32),
-            seq_lens=dev(seq_lens, np.int32), block_tables=dev(block_tables, np.int32),
-            slot_mapping=dev(new_cells, np.int64), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+            max_seq_len=int(seq_lens.max()), query_start_loc=_on(dev, query_start, np.int32),
+            seq_lens=_on(dev, seq_lens, np.int32), block_tables=_on(dev, block_tables),
+            slot_mapping=_on(dev, new_cells, np.int64), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             backend=self._paged)
         self._paged.prepare(metadata)
         return metadata, order
@@ -278,15 +290,14 @@ class Model:
         context_pos = np.concatenate([kv.pos[cached], step.positions])
         shares_seq = step.token_seqs.astype(np.float32) @ context_seqs.T.astype(np.float32) > 0
         visible = shares_seq & (context_pos[None, :] <= step.positions[:, None])
-        dev = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)
-        num_tokens = len(cells)
+        dev, num_tokens = self.device, len(cells)
         return AttentionMetadata(
             num_tokens=num_tokens, num_seqs=1, block_size=1, max_query_len=num_tokens, max_seq_len=len(context),
-            query_start_loc=dev(np.array([0, num_tokens], dtype=np.int32)),
-            seq_lens=dev(np.array([len(context)], dtype=np.int32)), block_tables=dev(context[None].astype(np.int32)),
-            slot_mapping=dev(cells.astype(np.int64)), query_lens_cpu=np.array([num_tokens]),
-            seq_lens_cpu=np.array([len(context)]), backend=self._masked,
-            backend_data=CellMask(dev(context.astype(np.int64)), dev(visible)))
+            query_start_loc=_on(dev, np.array([0, num_tokens], dtype=np.int32)),
+            seq_lens=_on(dev, np.array([len(context)], dtype=np.int32)),
+            block_tables=_on(dev, context[None], np.int32), slot_mapping=_on(dev, cells, np.int64),
+            query_lens_cpu=np.array([num_tokens]), seq_lens_cpu=np.array([len(context)]), backend=self._masked,
+            backend_data=CellMask(_on(dev, context, np.int64), _on(dev, visible)))
 
     # ---- outputs -------------------------------------------------------------------------------
     def _reset_outputs(self) -> None:
@@ -430,7 +441,7 @@ class Model:
     def _copy_cells(self, src: np.ndarray, dst: np.ndarray) -> None:
         if not len(src):
             return
-        src_t, dst_t = (torch.from_numpy(a.astype(np.int64)).to(self.device) for a in (src, dst))
+        src_t, dst_t = _on(self.device, src, np.int64), _on(self.device, dst, np.int64)
         for layer in self._layers:
             for cache in (layer.k_cache, layer.v_cache):
                 flat = cache.view(self.n_ctx, -1)
@@ -439,7 +450,7 @@ class Model:
     def _rotate(self, cells: np.ndarray, delta: int) -> None:
         if not len(cells):
             return
-        cells_t = torch.from_numpy(cells.astype(np.int64)).to(self.device)
+        cells_t = _on(self.device, cells, np.int64)
         with torch.inference_mode():
             for layer, rotary in zip(self._layers, self._rotaries):
                 if rotary is not None:  # a model without RoPE: positions are metadata only
