@@ -1,0 +1,161 @@
+"""KV cell metadata of the low-level API: which sequences own each physical cell, at which position.
+
+A cell is one token's K/V slot in every layer. Its metadata is a logical position and a set of
+sequence ids; a cell whose set is empty is free. Physical cells and logical positions are
+independent: a cell is wherever a token happened to be stored, and ``kv_seq_add`` changes positions
+without moving anything. This module holds only metadata; :class:`novainfer.core_api.Model` moves
+K/V and keeps the two consistent.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class KvStatus(enum.IntEnum):
+    """What a KV operation did (returned, never raised)."""
+
+    OK = 0
+    OOM_SLOT = 1  # not enough free cells; nothing changed
+    INVALID_SEQ = 2  # a sequence id outside [0, n_seq_max) (or negative where "any" is not allowed)
+    INVALID_POS = 3  # the operation would move a position to or past the model's position limit
+    EMPTY_RANGE = 4  # [p0, p1) holds no position (p1 <= p0 after normalisation); nothing changed
+    INTERNAL_ERROR = 5  # an unexpected failure; metadata is as before the call (see Model.last_error)
+
+
+@dataclass
+class CellInfo:
+    """One cell of :meth:`KvCells.dump`."""
+
+    cell: int
+    seq_ids: list[int]
+    pos: int  # -1 when free
+    used: bool
+
+
+def normalize_range(p0: int, p1: int) -> tuple[int, int]:
+    """llama.cpp's convention: a negative ``p0`` means 0, a negative ``p1`` means "to the end"."""
+    p0 = 0 if p0 < 0 else int(p0)
+    p1 = np.iinfo(np.int64).max if p1 < 0 else int(p1)
+    return p0, p1
+
+
+class KvCells:
+    """Metadata of ``n_ctx`` cells shared by up to ``n_seq_max`` sequences (no per-sequence quota).
+
+    ``seqs[s, c]`` says whether sequence ``s`` owns cell ``c``; ``pos[c]`` is the cell's position
+    (-1 when free). Each sequence's cells sorted by position are cached, because every decode needs
+    them (attention context, next position) and most decodes only append to them.
+    """
+
+    def __init__(self, n_ctx: int, n_seq_max: int) -> None:
+        self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.pos = np.full(n_ctx, -1, dtype=np.int64)
+        self.seqs = np.zeros((n_seq_max, n_ctx), dtype=bool)
+        self.used = np.zeros(n_ctx, dtype=bool)
+        self._sorted: list[np.ndarray | None] = [np.zeros(0, dtype=np.int64)] * n_seq_max
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_used(self) -> int:
+        return int(self.used.sum())
+
+    def free_cells(self, n: int) -> np.ndarray:
+        """Up to ``n`` free cells, lowest first."""
+        return np.flatnonzero(~self.used)[:n]
+
+    def seq_cells(self, seq: int) -> np.ndarray:
+        """Cells of ``seq`` ordered by position (a cached array: do not modify it)."""
+        cells = self._sorted[seq]
+        if cells is None:
+            cells = np.flatnonzero(self.seqs[seq])
+            cells = cells[np.argsort(self.pos[cells], kind="stable")]
+            self._sorted[seq] = cells
+        return cells
+
+    def pos_max(self, seq: int) -> int:
+        cells = self.seq_cells(seq)
+        return int(self.pos[cells[-1]]) if len(cells) else -1
+
+    def pos_min(self, seq: int) -> int:
+        cells = self.seq_cells(seq)
+        return int(self.pos[cells[0]]) if len(cells) else -1
+
+    def cells_in_range(self, seq: int | None, p0: int, p1: int) -> np.ndarray:
+        """Cells owned by ``seq`` (any sequence when None) whose position is in [p0, p1)."""
+        owned = self.used if seq is None else self.seqs[seq]
+        return np.flatnonzero(owned & (self.pos >= p0) & (self.pos < p1))
+
+    def dump(self, used_only: bool = False) -> list[CellInfo]:
+        """Every cell's ``{seq_ids, pos, used}``, for debugging."""
+        cells = np.flatnonzero(self.used) if used_only else range(self.n_ctx)
+        return [CellInfo(int(c), np.flatnonzero(self.seqs[:, c]).tolist(), int(self.pos[c]), bool(self.used[c]))
+                for c in cells]
+
+    # ---- changes -------------------------------------------------------------------------------
+    def _touch(self, seqs) -> None:
+        for s in seqs:
+            self._sorted[int(s)] = None
+
+    def _refresh_used(self, cells: np.ndarray) -> None:
+        self.used[cells] = self.seqs[:, cells].any(axis=0)
+        self.pos[cells[~self.used[cells]]] = -1
+
+    def commit(self, cells: np.ndarray, positions: np.ndarray, token_seqs: np.ndarray) -> None:
+        """Stores a decoded batch: token ``i`` in cell ``cells[i]`` at ``positions[i]`` owned by the
+        sequences of row ``i`` of ``token_seqs`` [T, n_seq_max] (bool).
+
+        The caller has checked that each sequence's new positions exceed its cached ones and increase
+        through the batch, so appending keeps each sorted list sorted.
+        """
+        self.pos[cells] = positions
+        self.seqs[:, cells] = token_seqs.T
+        self.used[cells] = True
+        for s in np.flatnonzero(token_seqs.any(axis=0)):
+            cached = self._sorted[s]
+            if cached is not None:
+                self._sorted[s] = np.concatenate([cached, cells[token_seqs[:, s]]])
+
+    def remove(self, seq: int | None, cells: np.ndarray) -> None:
+        """Takes ``seq`` (every sequence when None) off ``cells``; cells left with none become free."""
+        if seq is None:
+            self._touch(np.flatnonzero(self.seqs[:, cells].any(axis=1)))
+            self.seqs[:, cells] = False
+        else:
+            self._touch([seq])
+            self.seqs[seq, cells] = False
+        self._refresh_used(cells)
+
+    def add_seq(self, seq: int, cells: np.ndarray) -> None:
+        self._touch([seq])
+        self.seqs[seq, cells] = True
+
+    def keep_only(self, seq: int) -> None:
+        others = np.ones(self.n_seq_max, dtype=bool)
+        others[seq] = False
+        self._touch(np.flatnonzero(others))
+        self.seqs[others] = False
+        self._refresh_used(np.arange(self.n_ctx))
+
+    def move(self, seq: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """Moves ``seq``'s ownership of cells ``src`` to the free cells ``dst`` (same positions)."""
+        self._touch([seq])
+        self.pos[dst] = self.pos[src]
+        self.seqs[seq, src] = False
+        self.seqs[seq, dst] = True
+        self.used[dst] = True
+        self._refresh_used(src)
+
+    def shift(self, cells: np.ndarray, delta: int) -> None:
+        self._touch(np.flatnonzero(self.seqs[:, cells].any(axis=1)))
+        self.pos[cells] += delta
+
+    def clear(self) -> None:
+        self.pos[:] = -1
+        self.seqs[:] = False
+        self.used[:] = False
+        self._sorted = [np.zeros(0, dtype=np.int64)] * self.n_seq_max
