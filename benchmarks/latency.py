@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     w.add_argument("--output-len", type=int, default=256, help="new tokens (EOS ignored)")
     w.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    w.add_argument("--ttft-input-lens", type=int, nargs="*", default=[],
+                   help="also NovaInfer's TTFT alone (one new token) for prompts of these lengths, e.g. 1024 8192 30000")
     add_engine_arguments(p)
     add_output_arguments(p, "latency_<device>_<model>")
     r = p.add_argument_group("runs")
@@ -94,6 +96,18 @@ def measure(side, prompt: list[int], num_tokens: int, warmup: int, repeats: int)
             print(f"  run {i - warmup + 1}/{repeats} {side.name}: TTFT {1e3 * run.ttft_s:.1f} ms, "
                   f"TPOT {run.tpot_ms:.2f} ms", flush=True)
     return runs, tokens
+
+
+def measure_ttft(side, vocab_size: int, lengths: list[int], warmup: int, repeats: int,
+                 seed: int) -> dict[str, float]:
+    """Median TTFT in ms of one request per prompt length (random prompts; one new token)."""
+    ttft = {}
+    for length in lengths:
+        prompt = make_workload(1, vocab_size, length, length, 1, 1, seed=seed + length).prompts[0]
+        times = [side.generate(prompt, 1)[0].ttft_s for _ in range(warmup + repeats)][warmup:]
+        ttft[str(length)] = round(1e3 * statistics.median(times), 3)
+        print(f"  TTFT of a {length}-token prompt: {ttft[str(length)]:.2f} ms (median of {repeats})", flush=True)
+    return ttft
 
 
 def summarize(runs: list[Run]) -> dict[str, Any]:
@@ -218,7 +232,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_at_start = load_average()
     nova = NovaInferSide(args, model_dir)
     nova_runs, nova_tokens = measure(nova, prompt, args.output_len, args.warmup, args.repeats)
-    nova_result = {**summarize(nova_runs), **nova.describe()}
+    nova_result = {**summarize(nova_runs), **nova.describe(),
+                   "ttft_ms_by_input_len": measure_ttft(nova, summary["vocab_size"], args.ttft_input_lens, args.warmup,
+                                                        args.repeats, args.seed)}
     dtype = nova.dtype
     nova.close()
     memory_left = release_device_memory(device)

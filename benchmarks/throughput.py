@@ -45,6 +45,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,17 @@ def timed_run(runner, workload: Workload) -> tuple[dict[str, Any], list[list[int
 
 # ---- NovaInfer ------------------------------------------------------------------------------------
 _STAT_FIELDS = ("num_steps", "step_time_total", "model_time_total", "generation_tokens_total",
-                "prompt_tokens_total", "num_preemptions_total", "prefix_cache_hits_total")
+                "prompt_tokens_total", "num_preemptions_total", "prefix_cache_hits_total", "steps_by_kind",
+                "step_time_by_kind")
+
+
+def step_kind_breakdown(counts: Counter, seconds: Counter, total_seconds: float) -> dict[str, dict[str, float]]:
+    """Per step kind (decode / mixed / prefill): count, mean ms and share of the step time. Under async
+    scheduling a step's time includes waiting for the step before it, so the shares are approximate."""
+    return {kind: {"count": int(counts[kind]),
+                   "mean_ms": round(1e3 * seconds[kind] / counts[kind], 3) if counts[kind] else None,
+                   "share_of_step_time": round(seconds[kind] / total_seconds, 4) if total_seconds > 0 else None}
+            for kind in ("decode", "mixed", "prefill")}
 
 
 class NovaInferRunner:
@@ -138,9 +149,9 @@ class NovaInferRunner:
         self.device = self.engine.config.device
         self.generate(*warmup_requests(workload, args.max_num_batched_tokens))  # warm-up, not timed
 
-    def _stats(self) -> dict[str, float]:
+    def _stats(self) -> dict[str, Any]:
         stats = self.engine.get_stats()
-        return {k: getattr(stats, k) for k in _STAT_FIELDS}
+        return {k: copy.copy(getattr(stats, k)) for k in _STAT_FIELDS}
 
     def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
         outputs = self.llm.generate(prompts, [greedy_params(n) for n in output_lens], use_tqdm=False)
@@ -169,6 +180,7 @@ class NovaInferRunner:
             "engine_prompt_tokens_computed": int(delta["prompt_tokens_total"]),
             "preemptions": int(delta["num_preemptions_total"]),
             "prefix_cache_hit_tokens": int(delta["prefix_cache_hits_total"]),
+            "step_kinds": step_kind_breakdown(delta["steps_by_kind"], delta["step_time_by_kind"], step_time),
         }, tokens
 
     def profile_decode(self, num_steps: int, top: int = 15) -> dict[str, Any]:
@@ -536,6 +548,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append((peer.name, peer_result))
     print(f"\nmedian of {args.repeats} run(s); {workload.total_output_tokens} output tokens")
     print_table(rows)
+    for kind, row in nova_result["step_kinds"].items():
+        if row["count"]:
+            print(f"  {kind} steps: {row['count']}, {row['mean_ms']:.2f} ms each, "
+                  f"{100 * row['share_of_step_time']:.1f}% of step time")
     if peer_result is not None:
         agree = peer_result["greedy_agreement_with_novainfer"]
         print(f"peer: {summary_line}")

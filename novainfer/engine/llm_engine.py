@@ -42,6 +42,10 @@ class EngineStats:
     finished_requests_total: Counter = field(default_factory=Counter)  # by finish reason
     step_time_total: float = 0.0  # seconds in step()
     model_time_total: float = 0.0  # seconds of that inside the executor (forward + sampling)
+    # Steps and their seconds in step() by what they computed: "decode" (one new token per request),
+    # "prefill" (prompt tokens only) or "mixed" (both).
+    steps_by_kind: Counter = field(default_factory=Counter)
+    step_time_by_kind: Counter = field(default_factory=Counter)
 
 
 class LLMEngine:
@@ -233,6 +237,9 @@ class LLMEngine:
         s.generation_tokens_total += num_generated
         s.step_time_total += step_time
         s.model_time_total += model_time
+        kind = "decode" if num_prefill == 0 else "prefill" if num_decode == 0 else "mixed"
+        s.steps_by_kind[kind] += 1
+        s.step_time_by_kind[kind] += step_time
         sched = self.scheduler.make_stats()
         s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage = (sched.num_running_reqs, sched.num_waiting_reqs,
                                                                     sched.kv_cache_usage)
