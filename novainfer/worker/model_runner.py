@@ -275,7 +275,7 @@ class ModelRunner:
             hidden = self.model(views["input_ids"][:key.size], views["positions"][:key.size], metadata)
             if key.kind == "mixed":
                 hidden = hidden[views["logits_indices"][:self.mixed_graph_seqs]]
-            return self._head_output(hidden)
+            return hidden
 
         keys = [GraphKey("decode", size) for size in decode_sizes] + [GraphKey("mixed", t) for t in mixed_sizes]
         self.graphs.capture(keys, run_step, self.device)
@@ -474,20 +474,23 @@ class ModelRunner:
             return self._split_lm_head.greedy_tokens(head_output)
         return head_output.argmax(dim=-1)
 
-    def _compute_logits(self, model_input: ModelInput) -> torch.Tensor:
-        """The head output (see :meth:`_head_output`) of the rows requested, in the model's dtype."""
+    def _compute_hidden(self, model_input: ModelInput) -> torch.Tensor:
+        """The final hidden states of the rows requested (graphs end here: the LM head runs on the
+        sampled rows only, and graphs keep no vocabulary-wide output alive)."""
         key = model_input.graph_key
         if key is not None:
-            logits = self.graphs.replay(key)
+            hidden = self.graphs.replay(key)
             if key.kind == "mixed":  # rows in logits_indices order already
-                return logits[:model_input.logits_indices.shape[0]]
+                return hidden[:model_input.logits_indices.shape[0]]
             if model_input.logits_are_all_rows:
-                return logits[:model_input.num_seqs]
-            return logits[model_input.logits_indices]
+                return hidden[:model_input.num_seqs]
+            return hidden[model_input.logits_indices]
         hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
-        if not model_input.logits_are_all_rows:
-            hidden = hidden[model_input.logits_indices]
-        return self._head_output(hidden)
+        return hidden if model_input.logits_are_all_rows else hidden[model_input.logits_indices]
+
+    def _compute_logits(self, model_input: ModelInput) -> torch.Tensor:
+        """The head output (see :meth:`_head_output`) of the rows requested, in the model's dtype."""
+        return self._head_output(self._compute_hidden(model_input))
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
@@ -654,7 +657,8 @@ class ModelRunner:
 
     def is_replay_only(self, staged: StagedStep) -> bool:
         """Whether running ``staged`` here is a copy and a CUDA-graph replay, with no collective
-        issued from the host: then any thread may launch it."""
+        issued from the host (a rank without a split LM head computes no logits): then any thread
+        may launch it."""
         return staged.graph_key is not None and not (self._split_lm_head is not None and staged.num_logits)
 
     @torch.inference_mode()
@@ -663,7 +667,7 @@ class ModelRunner:
         only part in a step is its shard of the forward pass, and of the LM head's collectives)."""
         if staged is None:
             return
-        head_output = self._compute_logits(self._load(staged))
+        hidden = self._compute_hidden(self._load(staged))
         if self._split_lm_head is not None and staged.num_logits:
             # The collectives the driver's sampling path runs, with the driver's choice of path.
-            (self._greedy_tokens if staged.greedy else self._full_logits)(head_output)
+            (self._greedy_tokens if staged.greedy else self._full_logits)(self._head_output(hidden))

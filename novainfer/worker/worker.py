@@ -109,13 +109,25 @@ class Worker:
             self.model_runner.sampler = Rank0Sampler(self.model_runner.sampler, self.tp_group)
 
     def profile(self) -> int:
-        """Peak bytes a full-budget forward step needs on the device, besides the KV cache (CUDA only)."""
+        """Peak bytes a full-budget forward step needs on the device, besides the KV cache, plus
+        what the CUDA graphs will hold: their private pool keeps the activations of the largest
+        captured step, apart from the memory eager steps reuse (CUDA only)."""
         runner = self.model_runner
         sched = self.config.scheduler_config
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * sched.max_model_len)
-        lengths = [sched.max_model_len] * (num_tokens // sched.max_model_len)
-        if num_tokens % sched.max_model_len:
-            lengths.append(num_tokens % sched.max_model_len)
+        peak = self._peak_forward_bytes(num_tokens)
+        graph_pool = 0
+        if runner.cuda_graphs_enabled:
+            graph_tokens = min(num_tokens, self.config.model_config.max_cudagraph_capture_size)
+            graph_pool = self._peak_forward_bytes(graph_tokens) - torch.cuda.memory_allocated(self.device)
+        return peak + graph_pool
+
+    def _peak_forward_bytes(self, num_tokens: int) -> int:
+        """Peak bytes allocated while a step of ``num_tokens`` prompt tokens (in sequences of at most
+        ``max_model_len``) runs on a KV cache just large enough, which is then released."""
+        runner = self.model_runner
+        max_len = self.config.scheduler_config.max_model_len
+        lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
         blocks_each = [-(-n // runner.block_size) for n in lengths]
         runner.allocate_kv_cache(sum(blocks_each))
         seqs, first = [], 0
