@@ -107,10 +107,13 @@ def test_tokenizer_and_chat_template_from_metadata(hf_dirs, gguf_file):
     assert ours.eos_token_id == reference.eos_token_id
 
 
-def _greedy_parity(path: Path, prompts: list[list[int]], max_tokens: int) -> None:
-    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+def _greedy_parity(path: Path, prompts: list[list[int]], max_tokens: int, **engine_args) -> None:
+    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV, **engine_args)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        llm.llm_engine.shutdown()
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(path, prompt, max_tokens)
 
@@ -123,6 +126,12 @@ def test_greedy_parity_with_transformers_gguf(gguf_file, arch, qtype):
         pytest.skip(f"{architecture} is not a registered model")
     path = gguf_file(arch, qtype)
     _greedy_parity(path, [random_ids(seed, n, 740) for seed, n in ((0, 5), (1, 17))], max_tokens=8)
+
+
+def test_tensor_parallel_ranks_shard_the_dequantized_weights(gguf_file):
+    """Two ranks (threads) load the same file, each keeping its shard, vocabulary split too."""
+    _greedy_parity(gguf_file("qwen2", Q.Q4_1), [random_ids(2, 9, 740)], max_tokens=6,
+                   tensor_parallel_size=2, enable_vocab_parallel=True)
 
 
 def test_text_generation_through_the_gguf_tokenizer(hf_dirs, gguf_file):
