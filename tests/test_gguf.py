@@ -27,7 +27,7 @@ from tests.gguf_utils import hf_state_dict, write_gguf, write_tiny_llama
 from tests.utils import SMALL_KV, hf_greedy, random_ids, tiny_model
 
 Q = gguf.GGMLQuantizationType
-QTYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
+QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +88,10 @@ def test_weights_match_transformers(hf_dirs, gguf_file, arch, qtype):
     if qtype == Q.F32:  # lossless: the converter's Q/K row order is exactly undone
         for name, tensor in ours.items():
             assert torch.equal(tensor, source[name]), name
-    elif qtype == Q.F16:
+    elif qtype in (Q.F16, Q.BF16):  # matrices rounded to the half type, 1-D tensors kept in float32
+        half = torch.float16 if qtype == Q.F16 else torch.bfloat16
         for name, tensor in ours.items():
-            expected = source[name] if tensor.ndim == 1 else source[name].half().float()
+            expected = source[name] if tensor.ndim == 1 else source[name].to(half).float()
             assert torch.equal(tensor, expected), name
 
 
@@ -163,10 +164,15 @@ def test_unsupported_tensor_type_is_named(hf_dirs, tmp_path):
         ModelConfig(str(path))
 
 
-def test_unknown_tensor_is_named(hf_dirs, tmp_path):
-    path = write_gguf(hf_dirs["qwen2"], tmp_path / "rope.gguf",
-                      overrides={"rope_freqs.weight": (np.ones(8, dtype=np.float32), Q.F32)})
-    with pytest.raises(GGUFError, match=r"GGUF tensor 'rope_freqs\.weight' is not supported"):
+@pytest.mark.parametrize("name, message", [
+    ("blk.0.attn_qkv.weight",
+     r"GGUF tensor 'blk\.0\.attn_qkv\.weight' is not supported \(known tensors: .*'blk\.N\.attn_q'"),
+    ("rope_freqs.weight", r"GGUF tensor 'rope_freqs\.weight' holds per-frequency RoPE factors .* not supported"),
+])
+def test_unknown_tensor_is_named(hf_dirs, tmp_path, name, message):
+    path = write_gguf(hf_dirs["qwen2"], tmp_path / "extra.gguf",
+                      overrides={name: (np.ones((8, 64) if name.startswith("blk") else 8, dtype=np.float32), Q.F32)})
+    with pytest.raises(GGUFError, match=message):
         ModelConfig(str(path))
 
 

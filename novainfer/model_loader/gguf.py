@@ -59,6 +59,8 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Tensors llama.cpp writes for features the engine does not implement, and what they hold.
+_UNSUPPORTED_TENSORS = {"rope_freqs": "per-frequency RoPE factors (Llama 3.1-style RoPE scaling)"}
 _TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
 
 # GGUF float file types whose dtype "auto" keeps; quantized files load in float32 unless asked.
@@ -70,8 +72,13 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor, e.g. ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    """The Hugging Face name of a GGUF tensor.
+
+    E.g. ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     match = _TENSOR_NAME.fullmatch(gguf_name)
+    if match is not None and match["base"] in _UNSUPPORTED_TENSORS:
+        raise GGUFError(f"GGUF tensor {gguf_name!r} holds {_UNSUPPORTED_TENSORS[match['base']]}, "
+                        f"which is not supported")
     table = _MODEL_TENSORS if match is None or match["layer"] is None else _LAYER_TENSORS
     if match is None or match["base"] not in table:
         known = sorted(_MODEL_TENSORS) + [f"blk.N.{name}" for name in _LAYER_TENSORS]
@@ -251,7 +258,7 @@ def load_gguf_config(path: str | os.PathLike):
 
 
 def iterate_gguf_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(hf_name, tensor)`` for every tensor of a GGUF file, one dequantized tensor in memory at a time."""
+    """Yields ``(hf_name, tensor)`` for every tensor of a GGUF file, one dequantized tensor at a time."""
     try:
         yield from GGUFCheckpoint(path).weights()
     finally:
