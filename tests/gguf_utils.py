@@ -8,6 +8,7 @@ does for its RoPE kernel.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -74,11 +75,11 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, model_type: str) ->
 
 def write_gguf(model_dir: Path, out_path: Path, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                *, arch: str | None = None, overrides: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]
-               | None = None) -> Path:
+               | None = None, add_metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """Converts the Hugging Face checkpoint in ``model_dir`` to a GGUF file with matrices in ``qtype``.
 
     ``arch`` overrides the file's ``general.architecture``; ``overrides`` replaces or adds tensors
-    (GGUF name -> raw data and its type)."""
+    (GGUF name -> raw data and its type); ``add_metadata`` writes further keys."""
     config = json.loads((model_dir / "config.json").read_text())
     model_arch = config["model_type"]
     arch = arch or model_arch
@@ -97,6 +98,8 @@ def write_gguf(model_dir: Path, out_path: Path, qtype: gguf.GGMLQuantizationType
     if model_arch == "llama":
         writer.add_rope_dimension_count(config["head_dim"])
     _add_tokenizer(writer, model_dir, model_arch)
+    if add_metadata is not None:
+        add_metadata(writer)
     tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] = {}
     for hf_name, tensor in hf_state_dict(model_dir).items():
         name, array = gguf_name(hf_name), tensor.numpy()

@@ -74,6 +74,18 @@ def test_config_from_metadata(hf_dirs, gguf_file, arch):
     assert ours.eos_token_id == theirs["eos_token_id"]
 
 
+def test_rope_scaling_metadata(hf_dirs, tmp_path):
+    """llama.cpp's rope.scaling keys become the config's RoPE scaling (which the model then implements or refuses)."""
+    def add_yarn(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(128)
+
+    config = ModelConfig(str(write_gguf(hf_dirs["llama"], tmp_path / "yarn.gguf", add_metadata=add_yarn))).hf_config
+    assert config.rope_parameters == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                      "rope_theta": 10000.0}
+
+
 @pytest.mark.parametrize("qtype", QTYPES, ids=[q.name for q in QTYPES])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_weights_match_transformers(hf_dirs, gguf_file, arch, qtype):
