@@ -8,6 +8,7 @@ does for its RoPE kernel.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +46,29 @@ def interleave_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's ``permute`` of Q/K rows: per head, the two rotary halves interleaved."""
     return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
             .swapaxes(1, 2).reshape(weight.shape))
+
+
+def llama3_rope_freqs(config: dict) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for Llama 3's RoPE scaling (its own loop)."""
+    scaling = config.get("rope_scaling") or config["rope_parameters"]
+    base = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    dim = config["head_dim"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low_freq_factor, high_freq_factor = (scaling["factor"], scaling["low_freq_factor"],
+                                                 scaling["high_freq_factor"])
+    old_context_len = config.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low_freq_factor, old_context_len / high_freq_factor
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -108,6 +132,8 @@ def write_gguf(model_dir: Path, out_path: Path, qtype: gguf.GGMLQuantizationType
         elif model_arch == "llama" and ".attn_k." in name:
             array = interleave_rotary_rows(array, kv_heads)
         tensors[name] = (array, qtype if array.ndim == 2 else gguf.GGMLQuantizationType.F32)
+    if (config.get("rope_scaling") or config.get("rope_parameters") or {}).get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = (llama3_rope_freqs(config), gguf.GGMLQuantizationType.F32)
     tensors.update(overrides or {})
     for name, (array, tensor_type) in tensors.items():
         if array.dtype == np.uint8:  # already packed
@@ -124,14 +150,15 @@ def write_gguf(model_dir: Path, out_path: Path, qtype: gguf.GGMLQuantizationType
     return out_path
 
 
-def write_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, std: float = 0.4) -> Path:
+def write_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, std: float = 0.4,
+                     rope_scaling: dict | None = None) -> Path:
     """A tiny random Llama checkpoint (untied LM head) around the tokenizer in ``tokenizer_dir``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=rope_scaling, tie_word_embeddings=False,
                          bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                          architectures=["LlamaForCausalLM"])
     torch.manual_seed(seed)

@@ -27,6 +27,8 @@ from tests.gguf_utils import hf_state_dict, write_gguf, write_tiny_llama
 from tests.utils import SMALL_KV, hf_greedy, random_ids, tiny_model
 
 Q = gguf.GGMLQuantizationType
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
 QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
 
 
@@ -34,7 +36,10 @@ QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """Tiny random checkpoints: Qwen2 (tied LM head, Q/K/V biases) and Llama (untied, no biases)."""
     qwen2 = tiny_model()
-    return {"qwen2": qwen2, "llama": write_tiny_llama(tmp_path_factory.mktemp("llama"), qwen2)}
+    return {"qwen2": qwen2, "llama": write_tiny_llama(tmp_path_factory.mktemp("llama"), qwen2),
+            # Llama 3's RoPE scaling: with head_dim 16 and theta 1e4 the 8 frequencies fall in all
+            # three bands (kept, blended, divided by the factor)
+            "llama3": write_tiny_llama(tmp_path_factory.mktemp("llama3"), qwen2, rope_scaling=LLAMA3_ROPE)}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +125,9 @@ def test_tokenizer_and_chat_template_from_metadata(hf_dirs, gguf_file):
     assert ours.eos_token_id == reference.eos_token_id
 
 
-def _greedy_parity(path: Path, prompts: list[list[int]], max_tokens: int, **engine_args) -> None:
+def _greedy_parity(path: Path, prompts: list[list[int]], max_tokens: int, reference: Path | None = None,
+                   **engine_args) -> None:
+    """The engine on the GGUF file against transformers on ``reference`` (default: the same file)."""
     llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV, **engine_args)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -128,7 +135,7 @@ def _greedy_parity(path: Path, prompts: list[list[int]], max_tokens: int, **engi
     finally:
         llm.llm_engine.shutdown()
     for prompt, output in zip(prompts, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(path, prompt, max_tokens)
+        assert output.outputs[0].token_ids == hf_greedy(reference or path, prompt, max_tokens)
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["F32", "Q8_0"])
@@ -139,6 +146,30 @@ def test_greedy_parity_with_transformers_gguf(gguf_file, arch, qtype):
         pytest.skip(f"{architecture} is not a registered model")
     path = gguf_file(arch, qtype)
     _greedy_parity(path, [random_ids(seed, n, 740) for seed, n in ((0, 5), (1, 17))], max_tokens=8)
+
+
+def test_llama3_rope_factors_become_the_configs_rope_scaling(hf_dirs, gguf_file):
+    config = ModelConfig(str(gguf_file("llama3", Q.F32))).hf_config
+    source = json.loads((hf_dirs["llama3"] / "config.json").read_text())
+    source_rope = source.get("rope_scaling") or source["rope_parameters"]
+    for key in LLAMA3_ROPE:
+        assert config.rope_parameters[key] == source_rope[key] == LLAMA3_ROPE[key], key
+    assert "rope_freqs.weight" not in dict(iterate_gguf_weights(gguf_file("llama3", Q.F32)))
+
+
+def test_llama3_rope_scaling_greedy_matches_transformers_on_the_source_checkpoint(hf_dirs, gguf_file):
+    """transformers ignores the file's RoPE factors, so the oracle is the Hugging Face checkpoint itself."""
+    if "LlamaForCausalLM" not in ModelRegistry.get_supported_archs():
+        pytest.skip("LlamaForCausalLM is not a registered model")
+    _greedy_parity(gguf_file("llama3", Q.F32), [random_ids(seed, n, 740) for seed, n in ((3, 7), (4, 40))],
+                   max_tokens=8, reference=hf_dirs["llama3"])
+
+
+def test_rope_factors_other_than_llama3s_are_refused(hf_dirs, tmp_path):
+    factors = np.random.default_rng(0).uniform(1, 8, 8).astype(np.float32)
+    path = write_gguf(hf_dirs["llama"], tmp_path / "rope.gguf", overrides={"rope_freqs.weight": (factors, Q.F32)})
+    with pytest.raises(GGUFError, match=r"RoPE factors in rope_freqs\.weight do not follow Llama 3's scaling"):
+        ModelConfig(str(path))
 
 
 def test_tensor_parallel_ranks_shard_the_dequantized_weights(gguf_file):
@@ -179,11 +210,11 @@ def test_unsupported_tensor_type_is_named(hf_dirs, tmp_path):
 @pytest.mark.parametrize("name, message", [
     ("blk.0.attn_qkv.weight",
      r"GGUF tensor 'blk\.0\.attn_qkv\.weight' is not supported \(known tensors: .*'blk\.N\.attn_q'"),
-    ("rope_freqs.weight", r"GGUF tensor 'rope_freqs\.weight' holds per-frequency RoPE factors .* not supported"),
+    ("output_bias.weight", r"GGUF tensor 'output_bias\.weight' is not supported"),
 ])
 def test_unknown_tensor_is_named(hf_dirs, tmp_path, name, message):
     path = write_gguf(hf_dirs["qwen2"], tmp_path / "extra.gguf",
-                      overrides={name: (np.ones((8, 64) if name.startswith("blk") else 8, dtype=np.float32), Q.F32)})
+                      overrides={name: (np.ones((8, 64), dtype=np.float32), Q.F32)})
     with pytest.raises(GGUFError, match=message):
         ModelConfig(str(path))
 

@@ -59,8 +59,11 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Tensors llama.cpp writes for features the engine does not implement, and what they hold.
-_UNSUPPORTED_TENSORS = {"rope_freqs": "per-frequency RoPE factors (Llama 3.1-style RoPE scaling)"}
+# Llama 3.x's RoPE scaling, which llama.cpp's converter stores as one factor per rotary frequency
+# in this tensor (not a model parameter); the config gets back the parameters they were made from:
+# the largest factor and Llama 3's published frequency bands.
+ROPE_FACTORS_TENSOR = "rope_freqs.weight"
+_LLAMA3_ROPE_BANDS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 _TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
 
 # GGUF float file types whose dtype "auto" keeps; quantized files load in float32 unless asked.
@@ -76,9 +79,6 @@ def hf_tensor_name(gguf_name: str) -> str:
 
     E.g. ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     match = _TENSOR_NAME.fullmatch(gguf_name)
-    if match is not None and match["base"] in _UNSUPPORTED_TENSORS:
-        raise GGUFError(f"GGUF tensor {gguf_name!r} holds {_UNSUPPORTED_TENSORS[match['base']]}, "
-                        f"which is not supported")
     table = _MODEL_TENSORS if match is None or match["layer"] is None else _LAYER_TENSORS
     if match is None or match["base"] not in table:
         known = sorted(_MODEL_TENSORS) + [f"blk.N.{name}" for name in _LAYER_TENSORS]
@@ -153,7 +153,7 @@ class GGUFCheckpoint:
 
     def _check_tensors(self) -> None:
         """Every tensor must have a known name and a type gguf.quants can dequantize."""
-        for name in sorted(self.tensor_names):
+        for name in sorted(self.tensor_names - {ROPE_FACTORS_TENSOR}):
             hf_tensor_name(name)
         unsupported: dict[str, list[str]] = defaultdict(list)
         for tensor in self.reader.tensors:
@@ -177,7 +177,9 @@ class GGUFCheckpoint:
         embedding = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
         return int(embedding.shape[-1])  # GGUF shapes list the fastest-varying dimension first
 
-    def _rope_scaling(self) -> dict[str, Any] | None:
+    def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
+        if ROPE_FACTORS_TENSOR in self.tensor_names:
+            return self._llama3_rope_scaling(theta, head_dim)
         rope_type = self._arch_field("rope.scaling.type", "none")
         if rope_type == "none":
             return None
@@ -185,6 +187,18 @@ class GGUFCheckpoint:
         original = self._arch_field("rope.scaling.original_context_length", None)
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+
+    def _llama3_rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any]:
+        from gguf.quants import dequantize
+
+        tensor = next(t for t in self.reader.tensors if t.name == ROPE_FACTORS_TENSOR)
+        factors = dequantize(tensor.data, tensor.tensor_type).astype(np.float64)
+        scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE_BANDS}
+        expected = _llama3_rope_factors(theta, head_dim, **{k: v for k, v in scaling.items() if k != "rope_type"})
+        if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+            raise GGUFError(f"{self.path.name}: the RoPE factors in {ROPE_FACTORS_TENSOR} do not follow Llama 3's "
+                            f"scaling ({scaling}); other per-frequency factors are not supported")
         return scaling
 
     def _eos_token_ids(self) -> list[int]:
@@ -203,6 +217,7 @@ class GGUFCheckpoint:
         if rotary_dim != head_dim:
             raise GGUFError(f"{self.path.name}: partial rotary embeddings (rope.dimension_count={rotary_dim}, "
                             f"head_dim={head_dim}) are not supported")
+        theta = float(self._arch_field("rope.freq_base", 10000.0))
         eos = self._eos_token_ids()
         values: dict[str, Any] = {
             "architectures": [self.spec.hf_architecture],
@@ -213,8 +228,8 @@ class GGUFCheckpoint:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": head_dim,
             "max_position_embeddings": int(self._arch_field("context_length")),
-            "rope_theta": float(self._arch_field("rope.freq_base", 10000.0)),
-            "rope_scaling": self._rope_scaling(),
+            "rope_theta": theta,
+            "rope_scaling": self._rope_scaling(theta, head_dim),
             "rms_norm_eps": float(self._arch_field("attention.layer_norm_rms_epsilon")),
             "vocab_size": self._vocab_size(),
             "tie_word_embeddings": "output.weight" not in self.tensor_names,
@@ -232,6 +247,8 @@ class GGUFCheckpoint:
         from gguf.quants import dequantize
 
         for tensor in self.reader.tensors:
+            if tensor.name == ROPE_FACTORS_TENSOR:  # part of the config, not a parameter
+                continue
             array = dequantize(tensor.data, tensor.tensor_type)
             if not array.flags.writeable:  # float32 tensors come back as views of the mapped file
                 array = np.array(array)
@@ -241,6 +258,19 @@ class GGUFCheckpoint:
             elif self.spec.interleaved_qk_rows and ".attn_k." in tensor.name:
                 weight = _uninterleave_rotary_rows(weight, self.num_kv_heads)
             yield hf_tensor_name(tensor.name), weight
+
+
+def _llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                         high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+    """What each rotary frequency is divided by under Llama 3's RoPE scaling: 1 for short wavelengths,
+    ``factor`` for long ones, a smooth blend in between."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    context = original_max_position_embeddings
+    smooth = (context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < context / high_freq_factor, 1.0,
+                    np.where(wavelen > context / low_freq_factor, factor, blended))
 
 
 def _uninterleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
