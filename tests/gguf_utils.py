@@ -151,13 +151,14 @@ def write_gguf(model_dir: Path, out_path: Path, qtype: gguf.GGMLQuantizationType
 
 
 def write_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, std: float = 0.4,
-                     rope_scaling: dict | None = None) -> Path:
+                     rope_scaling: dict | None = None, max_position_embeddings: int = 512) -> Path:
     """A tiny random Llama checkpoint (untied LM head) around the tokenizer in ``tokenizer_dir``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=max_position_embeddings,
                          rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=rope_scaling, tie_word_embeddings=False,
                          bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                          architectures=["LlamaForCausalLM"])
