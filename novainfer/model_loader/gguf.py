@@ -18,10 +18,13 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 GGUF_SUFFIX = ".gguf"
 
@@ -173,9 +176,15 @@ class GGUFCheckpoint:
     def num_kv_heads(self) -> int:
         return int(self._arch_field("attention.head_count_kv", self.num_heads))
 
+    def _tensor(self, name: str):
+        for tensor in self.reader.tensors:
+            if tensor.name == name:
+                return tensor
+        raise GGUFError(f"{self.path.name} has no tensor {name!r}")
+
     def _vocab_size(self) -> int:
-        embedding = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
-        return int(embedding.shape[-1])  # GGUF shapes list the fastest-varying dimension first
+        # GGUF shapes list the fastest-varying dimension first: [hidden, vocab]
+        return int(self._tensor("token_embd.weight").shape[-1])
 
     def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
         if ROPE_FACTORS_TENSOR in self.tensor_names:
@@ -192,7 +201,7 @@ class GGUFCheckpoint:
     def _llama3_rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any]:
         from gguf.quants import dequantize
 
-        tensor = next(t for t in self.reader.tensors if t.name == ROPE_FACTORS_TENSOR)
+        tensor = self._tensor(ROPE_FACTORS_TENSOR)
         factors = dequantize(tensor.data, tensor.tensor_type).astype(np.float64)
         scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE_BANDS}
         expected = _llama3_rope_factors(theta, head_dim, **{k: v for k, v in scaling.items() if k != "rope_type"})
@@ -207,7 +216,7 @@ class GGUFCheckpoint:
         ids = [self._field(f"tokenizer.ggml.{key}", None) for key in keys]
         return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
-    def hf_config(self):
+    def hf_config(self) -> PretrainedConfig:
         """The transformers config of the model, built from the file's metadata."""
         from transformers import AutoConfig
 
@@ -282,7 +291,7 @@ def _uninterleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Ten
             .transpose(1, 2).reshape(weight.shape))
 
 
-def load_gguf_config(path: str | os.PathLike):
+def load_gguf_config(path: str | os.PathLike) -> PretrainedConfig:
     """The transformers config of a GGUF file; raises :class:`GGUFError` for what is not supported."""
     return GGUFCheckpoint(path).hf_config()
 
