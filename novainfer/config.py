@@ -46,14 +46,8 @@ class ModelConfig:
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
-        from transformers import AutoConfig
-
-        path = Path(self.model)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model must be a local Hugging Face model directory with a config.json; "
-                             f"got {self.model!r}")
         if self.hf_config is None:
-            self.hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            self.hf_config = self._load_hf_config()
         self.tokenizer = self.tokenizer or self.model
         self.torch_dtype = self._resolve_dtype()
         limit = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
@@ -64,6 +58,19 @@ class ModelConfig:
                              f"got {self.max_model_len}")
         if self.max_cudagraph_capture_size < 1:
             raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
+
+    def _load_hf_config(self):
+        from transformers import AutoConfig
+
+        from novainfer.model_loader.gguf import is_gguf_file, load_gguf_config
+
+        path = Path(self.model)
+        if is_gguf_file(path):
+            return load_gguf_config(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model must be a local Hugging Face model directory with a config.json, or a "
+                             f".gguf file; got {self.model!r}")
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

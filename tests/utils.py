@@ -77,9 +77,13 @@ def _write_transformers_llama(out_dir: Path, config: dict, seed: int = 0, std: f
 
 @functools.lru_cache(maxsize=8)
 def hf_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """transformers' model of a checkpoint directory or of a .gguf file (which it reads on its own)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    path = Path(path)
+    location = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name} \
+        if path.suffix == ".gguf" else {"pretrained_model_name_or_path": str(path)}
+    return AutoModelForCausalLM.from_pretrained(**location, dtype=dtype).to(device).eval()
 
 
 @torch.inference_mode()

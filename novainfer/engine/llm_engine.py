@@ -19,6 +19,7 @@ from novainfer.engine.request import Request, RequestStatus
 from novainfer.executor.abstract import Executor
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
+from novainfer.tokenizer import get_tokenizer
 from novainfer.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -51,11 +52,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
                  log_stats_interval: float = 5.0) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.tokenizer, local_files_only=True)
+        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
         self.eos_token_ids = self.model_config.generation_eos_token_ids()
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos_token_ids:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)

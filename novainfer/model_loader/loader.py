@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from novainfer.model_loader.gguf import is_gguf_file, iterate_gguf_weights
 from novainfer.model_loader.weight_utils import iterate_weights
 from novainfer.models.registry import ModelRegistry
 
@@ -93,8 +94,10 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device, *,
         return model_cls(hf_config, dtype, vocab_parallel=vocab_parallel)
 
 
-def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: torch.device, *,
+def load_model(model_path: str | Path, hf_config, dtype: torch.dtype, device: torch.device, *,
                vocab_parallel: bool | None = None) -> nn.Module:
+    """Builds the model and loads a Hugging Face directory's safetensors or a GGUF file into it."""
     model = build_model(hf_config, dtype, device, vocab_parallel=vocab_parallel)
-    load_weights(model, iterate_weights(model_dir))
+    weights = iterate_gguf_weights(model_path) if is_gguf_file(model_path) else iterate_weights(model_path)
+    load_weights(model, weights)
     return model.eval()

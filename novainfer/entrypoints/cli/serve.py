@@ -18,9 +18,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                            description="Serve one or more models over an OpenAI-compatible HTTP API. Requests "
                                        "pick a model by its served name (the request's 'model' field).")
     serve.add_argument("models", nargs="*", metavar="MODEL",
-                       help="model directories to serve (default: the built-in tiny model)")
+                       help="model directories or .gguf files to serve (default: the built-in tiny model)")
     serve.add_argument("--model", dest="extra_models", action="append", default=[], metavar="MODEL",
-                       help="another model directory to serve (repeatable)")
+                       help="another model directory or .gguf file to serve (repeatable)")
     serve.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                        help="the name clients use for the model at the same position (repeatable; "
                             "default: the MODEL argument as given)")

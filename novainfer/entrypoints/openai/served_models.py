@@ -21,6 +21,7 @@ from novainfer.engine.arg_utils import EngineArgs
 from novainfer.engine.async_llm_engine import AsyncLLMEngine
 from novainfer.engine.llm_engine import EngineStats
 from novainfer.entrypoints.openai.errors import OpenAIError
+from novainfer.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +87,8 @@ class ModelRegistry:
 
     @staticmethod
     def _serve(name: str, engine: AsyncLLMEngine) -> ServedModel:
-        from transformers import AutoTokenizer
-
         config = engine.model_config
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
+        tokenizer = get_tokenizer(config.tokenizer)
         return ServedModel(name, engine, tokenizer, config.max_model_len, config.vocab_size)
 
     def load(self) -> None:

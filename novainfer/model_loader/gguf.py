@@ -1,0 +1,304 @@
+"""GGUF checkpoints (llama.cpp's single-file format): the model config, tensor names and weights.
+
+A GGUF file carries the hyper-parameters and the tokenizer as metadata, and the tensors under
+llama.cpp's names, usually quantized. The file is read with the ``gguf`` package; each tensor is
+dequantized by ``gguf.quants.dequantize`` as it is loaded and handed, under its Hugging Face name,
+to the same name -> parameter loading as a safetensors checkpoint (which converts it to the
+engine's dtype and keeps this rank's shard). The engine then runs on plain dense weights: nothing
+stays quantized. The tokenizer and chat template are rebuilt by transformers (see
+``novainfer.tokenizer``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+GGUF_SUFFIX = ".gguf"
+
+
+class GGUFError(ValueError):
+    """A GGUF file that the engine cannot load; the message names what is not supported."""
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How a GGUF ``general.architecture`` maps onto a Hugging Face model."""
+
+    hf_architecture: str
+    model_type: str
+    # llama.cpp's converter reorders the rows of each Q and K head of ``llama`` models (the two
+    # rotary halves interleaved, the layout its RoPE kernel wants); loading puts them back.
+    interleaved_qk_rows: bool
+
+
+SUPPORTED_ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", interleaved_qk_rows=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", interleaved_qk_rows=False),
+}
+
+# llama.cpp's tensor names -> Hugging Face's (without the ".weight" / ".bias" suffix).
+_MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Llama 3.x's RoPE scaling, which llama.cpp's converter stores as one factor per rotary frequency
+# in this tensor (not a model parameter); the config gets back the parameters they were made from:
+# the largest factor and Llama 3's published frequency bands.
+ROPE_FACTORS_TENSOR = "rope_freqs.weight"
+_LLAMA3_ROPE_BANDS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
+
+# GGUF float file types whose dtype "auto" keeps; quantized files load in float32 unless asked.
+_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    return Path(path).suffix == GGUF_SUFFIX
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor.
+
+    E.g. ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    match = _TENSOR_NAME.fullmatch(gguf_name)
+    table = _MODEL_TENSORS if match is None or match["layer"] is None else _LAYER_TENSORS
+    if match is None or match["base"] not in table:
+        known = sorted(_MODEL_TENSORS) + [f"blk.N.{name}" for name in _LAYER_TENSORS]
+        raise GGUFError(f"GGUF tensor {gguf_name!r} is not supported (known tensors: {known}, "
+                        f"each .weight or .bias)")
+    prefix = "" if match["layer"] is None else f"model.layers.{match['layer']}."
+    return f"{prefix}{table[match['base']]}.{match['suffix']}"
+
+
+@functools.cache
+def _can_dequantize(qtype: Any) -> bool:
+    """Whether ``gguf.quants.dequantize`` handles this tensor type (probed on one block of zeros)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def supported_tensor_types() -> list[str]:
+    from gguf import GGMLQuantizationType
+
+    return [qtype.name for qtype in GGMLQuantizationType if _can_dequantize(qtype)]
+
+
+@functools.lru_cache(maxsize=1)
+def _open_reader(path: str, mtime_ns: int, size: int):
+    """A parsed file, kept for the next caller in this process.
+
+    Parsing the metadata of a large vocabulary takes seconds, and a process reads the same file
+    twice in a row: for the config, then for the weights (which drop it when done).
+    """
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+class GGUFCheckpoint:
+    """One GGUF file of a supported architecture, whose tensors all have supported types and names."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GGUFError(f"GGUF file {str(self.path)!r} does not exist")
+        stat = self.path.stat()
+        try:
+            self.reader = _open_reader(str(self.path), stat.st_mtime_ns, stat.st_size)
+        except ValueError as exc:  # the gguf package's word for a malformed file
+            raise GGUFError(f"{self.path.name} is not a readable GGUF file: {exc}") from exc
+        self.architecture = str(self._field("general.architecture"))
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise GGUFError(f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported; "
+                            f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}")
+        self.spec = SUPPORTED_ARCHITECTURES[self.architecture]
+        self.tensor_names = {tensor.name for tensor in self.reader.tensors}
+        self._check_tensors()
+
+    def _field(self, key: str, default: Any = ...) -> Any:
+        field = self.reader.get_field(key)
+        if field is None:
+            if default is ...:
+                raise GGUFError(f"{self.path.name}: metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+    def _arch_field(self, key: str, default: Any = ...) -> Any:
+        return self._field(f"{self.architecture}.{key}", default)
+
+    def _check_tensors(self) -> None:
+        """Every tensor must have a known name and a type gguf.quants can dequantize."""
+        for name in sorted(self.tensor_names - {ROPE_FACTORS_TENSOR}):
+            hf_tensor_name(name)
+        unsupported: dict[str, list[str]] = defaultdict(list)
+        for tensor in self.reader.tensors:
+            if not _can_dequantize(tensor.tensor_type):
+                unsupported[tensor.tensor_type.name].append(tensor.name)
+        if unsupported:
+            found = "; ".join(f"{qtype} ({len(names)} tensors, e.g. {names[0]})"
+                              for qtype, names in sorted(unsupported.items()))
+            raise GGUFError(f"{self.path.name} has tensor types that cannot be dequantized: {found}; "
+                            f"supported tensor types: {supported_tensor_types()}")
+
+    @property
+    def num_heads(self) -> int:
+        return int(self._arch_field("attention.head_count"))
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self._arch_field("attention.head_count_kv", self.num_heads))
+
+    def _tensor(self, name: str):
+        for tensor in self.reader.tensors:
+            if tensor.name == name:
+                return tensor
+        raise GGUFError(f"{self.path.name} has no tensor {name!r}")
+
+    def _vocab_size(self) -> int:
+        # GGUF shapes list the fastest-varying dimension first: [hidden, vocab]
+        return int(self._tensor("token_embd.weight").shape[-1])
+
+    def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
+        if ROPE_FACTORS_TENSOR in self.tensor_names:
+            return self._llama3_rope_scaling(theta, head_dim)
+        rope_type = self._arch_field("rope.scaling.type", "none")
+        if rope_type == "none":
+            return None
+        scaling = {"rope_type": rope_type, "factor": float(self._arch_field("rope.scaling.factor"))}
+        original = self._arch_field("rope.scaling.original_context_length", None)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+
+    def _llama3_rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any]:
+        from gguf.quants import dequantize
+
+        tensor = self._tensor(ROPE_FACTORS_TENSOR)
+        factors = dequantize(tensor.data, tensor.tensor_type).astype(np.float64)
+        scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE_BANDS}
+        expected = _llama3_rope_factors(theta, head_dim, **{k: v for k, v in scaling.items() if k != "rope_type"})
+        if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+            raise GGUFError(f"{self.path.name}: the RoPE factors in {ROPE_FACTORS_TENSOR} do not follow Llama 3's "
+                            f"scaling ({scaling}); other per-frequency factors are not supported")
+        return scaling
+
+    def _eos_token_ids(self) -> list[int]:
+        """End of text, of turn and of message: llama.cpp stops at each of them."""
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        ids = [self._field(f"tokenizer.ggml.{key}", None) for key in keys]
+        return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+    def hf_config(self) -> PretrainedConfig:
+        """The transformers config of the model, built from the file's metadata."""
+        from transformers import AutoConfig
+
+        hidden = int(self._arch_field("embedding_length"))
+        head_dim = int(self._arch_field("attention.key_length", hidden // self.num_heads))
+        rotary_dim = int(self._arch_field("rope.dimension_count", head_dim))
+        if rotary_dim != head_dim:
+            raise GGUFError(f"{self.path.name}: partial rotary embeddings (rope.dimension_count={rotary_dim}, "
+                            f"head_dim={head_dim}) are not supported")
+        theta = float(self._arch_field("rope.freq_base", 10000.0))
+        eos = self._eos_token_ids()
+        values: dict[str, Any] = {
+            "architectures": [self.spec.hf_architecture],
+            "hidden_size": hidden,
+            "intermediate_size": int(self._arch_field("feed_forward_length")),
+            "num_hidden_layers": int(self._arch_field("block_count")),
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": head_dim,
+            "max_position_embeddings": int(self._arch_field("context_length")),
+            "rope_theta": theta,
+            "rope_scaling": self._rope_scaling(theta, head_dim),
+            "rms_norm_eps": float(self._arch_field("attention.layer_norm_rms_epsilon")),
+            "vocab_size": self._vocab_size(),
+            "tie_word_embeddings": "output.weight" not in self.tensor_names,
+            "bos_token_id": self._field("tokenizer.ggml.bos_token_id", None),
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "pad_token_id": self._field("tokenizer.ggml.padding_token_id", None),
+            "dtype": _FILE_TYPE_DTYPES.get(self._field("general.file_type", None), "float32"),
+        }
+        if self.architecture == "llama":  # Qwen2 always has Q/K/V biases; Llama says so in its config
+            values["attention_bias"] = "blk.0.attn_q.bias" in self.tensor_names
+        return AutoConfig.for_model(self.spec.model_type, **values)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields ``(hf_name, float32 tensor)`` for each tensor, dequantized one at a time."""
+        from gguf.quants import dequantize
+
+        for tensor in self.reader.tensors:
+            if tensor.name == ROPE_FACTORS_TENSOR:  # part of the config, not a parameter
+                continue
+            array = dequantize(tensor.data, tensor.tensor_type)
+            if not array.flags.writeable:  # float32 tensors come back as views of the mapped file
+                array = np.array(array)
+            weight = torch.from_numpy(array)
+            if self.spec.interleaved_qk_rows and ".attn_q." in tensor.name:
+                weight = _uninterleave_rotary_rows(weight, self.num_heads)
+            elif self.spec.interleaved_qk_rows and ".attn_k." in tensor.name:
+                weight = _uninterleave_rotary_rows(weight, self.num_kv_heads)
+            yield hf_tensor_name(tensor.name), weight
+
+
+def _llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                         high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+    """What each rotary frequency is divided by under Llama 3's RoPE scaling: 1 for short wavelengths,
+    ``factor`` for long ones, a smooth blend in between."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    context = original_max_position_embeddings
+    smooth = (context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < context / high_freq_factor, 1.0,
+                    np.where(wavelen > context / low_freq_factor, factor, blended))
+
+
+def _uninterleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's Q/K row order: per head, rows (a0, b0, a1, b1, ...) -> (a0, a1, ..., b0, b1, ...).
+
+    Works for weights and biases alike (rows are the first dimension)."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def load_gguf_config(path: str | os.PathLike) -> PretrainedConfig:
+    """The transformers config of a GGUF file; raises :class:`GGUFError` for what is not supported."""
+    return GGUFCheckpoint(path).hf_config()
+
+
+def iterate_gguf_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(hf_name, tensor)`` for every tensor of a GGUF file, one dequantized tensor at a time."""
+    try:
+        yield from GGUFCheckpoint(path).weights()
+    finally:
+        _open_reader.cache_clear()  # the weights are the last reader of the file
