@@ -15,8 +15,10 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
 # How long it waits when requests exist but nothing could be scheduled (e.g. KV cache full).
 _STALL_POLL_S = 0.002
+# Test-only hook: while the file named by this variable exists, the engine thread waits before each
+# step, as a hung device would, so that tests can watch a watchdog notice. Never set it otherwise.
+TEST_STALL_FILE_ENV = "NOVAINFER_TEST_STALL_FILE"
 
 
 class EngineDeadError(RuntimeError):
@@ -142,6 +147,11 @@ class AsyncLLMEngine:
         self._load = EngineLoad()
         self._stats = copy.deepcopy(engine.get_stats())
         self._thread: threading.Thread | None = None
+        # Progress, written by the engine thread only: whether it has work, and when it last
+        # finished a step (or got work while idle).
+        self._busy = False
+        self._progress_time = time.monotonic()
+        self._stall_file = os.environ.get(TEST_STALL_FILE_ENV)
         if start:
             self.start()
 
@@ -182,6 +192,10 @@ class AsyncLLMEngine:
     @property
     def dead_error(self) -> EngineDeadError | None:
         return self._dead_error
+
+    def seconds_without_progress(self) -> float:
+        """Seconds since the engine last finished a step while it has work (0 when idle)."""
+        return time.monotonic() - self._progress_time if self._busy else 0.0
 
     # ---- public API (event loop) ----------------------------------------------------------------
     def get_tokenizer(self):
@@ -261,9 +275,15 @@ class AsyncLLMEngine:
                     break
                 self._publish()  # gauges see added and aborted requests before a long step
                 if not self.engine.has_unfinished_requests():
+                    self._busy = False
                     continue
+                if not self._busy:
+                    self._progress_time, self._busy = time.monotonic(), True
+                self._wait_while_test_stalled()
                 steps_before = self.engine.stats.num_steps
                 outputs = self.engine.step()
+                if self.engine.stats.num_steps != steps_before:
+                    self._progress_time = time.monotonic()
                 self._publish()  # before dispatching: whoever sees an output sees the stats of its step
                 self._dispatch(outputs)
                 if self.engine.stats.num_steps == steps_before:
@@ -276,6 +296,10 @@ class AsyncLLMEngine:
             return
         self._die(None)
         logger.debug("engine %s: loop stopped", self.name)
+
+    def _wait_while_test_stalled(self) -> None:
+        while self._stall_file is not None and os.path.exists(self._stall_file) and not self._stopped:
+            time.sleep(0.05)
 
     def _process_commands(self, block: bool, timeout: float = _IDLE_POLL_S) -> bool:
         """Runs queued commands (waiting for one when ``block``); False once asked to stop."""
