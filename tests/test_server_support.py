@@ -17,9 +17,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 __all__ = ["REPO_ROOT", "ServerProcess", "free_port", "metric_value", "serve"]
 
 
-def serve(args: list[str]) -> Iterator[ServerProcess]:
+def serve(args: list[str], env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A module's ``server`` fixture is ``yield from serve(ARGS)``: the server runs until the module ends."""
-    with ServerProcess(args, cwd=REPO_ROOT) as proc:
+    with ServerProcess(args, cwd=REPO_ROOT, env=env) as proc:
         yield proc
 
 

@@ -20,6 +20,7 @@ from novainfer.entrypoints.openai.api_server import build_app
 from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.entrypoints.openai.served_models import ModelRegistry
 from novainfer.entrypoints.openai.sessions import SessionStore
+from tests.test_server_support import metric_value
 from tests.utils import tiny_model
 
 KV_BYTES = 8 << 20
@@ -128,6 +129,7 @@ def test_app_engine_death_gives_500_then_health_503():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             assert (await client.get("/health")).status_code == 200
+            assert metric_value((await client.get("/metrics")).text, "novainfer:engine_alive", model_name="tiny") == 1
             ok = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert ok.status_code == 200
             _break_after(engine, 2)
@@ -138,6 +140,7 @@ def test_app_engine_death_gives_500_then_health_503():
             assert error["type"] == "server_error" and "Traceback" not in failed.text
             health = await client.get("/health")
             assert health.status_code == 503 and "simulated device failure" in health.json()["error"]["message"]
+            assert metric_value((await client.get("/metrics")).text, "novainfer:engine_alive", model_name="tiny") == 0
             refused = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert refused.status_code == 503
             stream = await client.post("/v1/chat/completions", json={

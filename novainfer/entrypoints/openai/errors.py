@@ -131,6 +131,9 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        carried = getattr(exc, "openai_error", None)  # raised below the app with its own error
+        if isinstance(carried, OpenAIError):
+            return error_response(carried, request_id_of(request))
         if exc.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}"
         elif exc.status_code == 405:

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterable
 
+from fastapi.exceptions import HTTPException
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -126,10 +127,13 @@ class HostCheckMiddleware:
         await self.app(scope, receive, send)
 
 
-class _BodyRefused(Exception):
+class _BodyRefused(HTTPException):
+    """Raised by the wrapped ``receive``: an HTTPException, so that FastAPI's body reading passes it
+    on unchanged to the app's handler, which answers with ``openai_error``."""
+
     def __init__(self, error: OpenAIError) -> None:
-        super().__init__(error.message)
-        self.error = error
+        super().__init__(error.status, error.message)
+        self.openai_error = error
 
 
 class BodyLimitMiddleware:
@@ -186,15 +190,9 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, bounded_receive, tracking_send)
-        except _BodyRefused as refused:
+        except _BodyRefused as refused:  # read outside FastAPI's handlers
             if not started:
-                await send_error(tracking_send, refused.error, request_id)
-        except Exception as exc:  # FastAPI wraps a failing body read in its own 400
-            refused = exc.__cause__ or exc.__context__
-            if not isinstance(refused, _BodyRefused):
-                raise
-            if not started:
-                await send_error(tracking_send, refused.error, request_id)
+                await send_error(tracking_send, refused.openai_error, request_id)
 
 
 def key_digest(key: str) -> str:

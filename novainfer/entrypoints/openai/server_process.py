@@ -27,8 +27,9 @@ class ServerProcess:
     """
 
     def __init__(self, args: list[str], startup_timeout: float = 120.0,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.args = list(args)
+        self.extra_env = dict(env or {})
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout = startup_timeout
@@ -40,6 +41,7 @@ class ServerProcess:
         env = dict(os.environ)
         env.pop("NOVAINFER_API_KEY", None)  # only an explicit --api-key turns auth on in tests
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.extra_env)
         cmd = [sys.executable, "-m", "novainfer.entrypoints.cli.main", "serve", *self.args,
                "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, cwd=self.cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
