@@ -394,3 +394,49 @@ def test_qwen2_chat_content_keeps_control_token_text_as_text():
     # With the flag, the whole rendering is tokenized as offline LLM.chat does.
     assert parsed["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
     assert parsed["tokens"].count(im_start) == 4
+
+
+# ---- configuration of the edge, in process (no model loaded) ---------------------------------------------------
+def edge_client(**config):
+    from fastapi.testclient import TestClient
+
+    from novainfer.engine.arg_utils import EngineArgs
+    from novainfer.entrypoints.openai.api_server import build_app
+    from novainfer.entrypoints.openai.config import ServerConfig
+    from novainfer.entrypoints.openai.served_models import ModelSpec
+
+    return TestClient(build_app(ServerConfig(models=[ModelSpec("tiny", EngineArgs())], **config)),
+                      base_url="http://localhost")
+
+
+def test_key_file_metrics_key_cors_and_docs_flags(tmp_path):
+    from novainfer.entrypoints.cli.main import build_parser
+    from novainfer.entrypoints.cli.serve import server_config_from
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("# team keys\nfile-key-1\n\n  file-key-2  \n")
+    ns = build_parser().parse_args(["serve", "--api-key", "cli-key", "--api-key-file", str(key_file),
+                                    "--metrics-require-key", "--allowed-origins", "http://app.example"])
+    config = server_config_from(ns)
+    assert config.api_keys == ["cli-key", "file-key-1", "file-key-2"] and config.metrics_require_key
+    assert config.allowed_hosts == ["localhost", "127.0.0.1", "::1"]
+    assert server_config_from(build_parser().parse_args(["serve", "--host", "0.0.0.0"])).allowed_hosts is None
+
+    http = edge_client(api_keys=config.api_keys, metrics_require_key=True, allowed_origins=config.allowed_origins)
+    assert http.get("/metrics").status_code == 401
+    assert http.get("/metrics", headers={"Authorization": "Bearer file-key-2"}).status_code == 200
+    assert http.get("/version").status_code == 200 and http.get("/").status_code == 200
+    preflight = http.options("/v1/models", headers={"Origin": "http://app.example",
+                                                    "Access-Control-Request-Method": "GET"})
+    assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+    foreign = http.options("/v1/models", headers={"Origin": "http://evil.example",
+                                                  "Access-Control-Request-Method": "GET"})
+    assert "access-control-allow-origin" not in foreign.headers
+
+    plain = edge_client()  # no origins: CORS off; docs off
+    response = plain.get("/version", headers={"Origin": "http://app.example"})
+    assert "access-control-allow-origin" not in response.headers
+    assert plain.get("/docs").status_code == 404 and plain.get("/openapi.json").status_code == 200
+    docs = edge_client(enable_docs=True, api_keys=["k"])
+    assert docs.get("/docs").status_code == 401
+    assert docs.get("/docs", headers={"Authorization": "Bearer k"}).status_code == 200
