@@ -24,6 +24,7 @@ from novainfer.entrypoints.openai.admission import AdmissionController, Admissio
 from novainfer.entrypoints.openai.config import ServerConfig
 from novainfer.entrypoints.openai.errors import OpenAIError, error_body, install_exception_handlers, \
     request_id_of
+from novainfer.entrypoints.openai.http_protocol import protocol_with_header_deadline
 from novainfer.entrypoints.openai.metrics import ServerMetrics
 from novainfer.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware, HostCheckMiddleware, \
     RequestIdMiddleware
@@ -93,8 +94,8 @@ def _routes() -> APIRouter:
         return SessionList(data=[_session_info(s) for s in _context(request).sessions.list(principal_of(request))])
 
     @router.post("/v1/sessions", response_model=SessionInfo, responses=_ERRORS)
-    async def create_session(body: SessionCreateRequest, request: Request) -> SessionInfo:
-        model = _context(request).models.get(body.model)
+    async def create_session(request: Request, body: SessionCreateRequest | None = None) -> SessionInfo:
+        model = _context(request).models.get(body.model if body is not None else None)
         return _session_info(_context(request).sessions.create(principal_of(request), model.name))
 
     @router.get("/v1/sessions/{session_id}", response_model=SessionDetail, responses=_ERRORS)
@@ -249,11 +250,10 @@ def run_server(config: ServerConfig) -> int:
             server_ref[0].should_exit = True
 
     app = build_app(config, on_load_failure=on_load_failure)
-    # h11 bounds how long an idle connection waits for a request's headers by the keep-alive timeout;
-    # the body's deadline is BodyLimitMiddleware's.
+    # Request headers have a deadline in the protocol, the body in BodyLimitMiddleware.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                                access_log=False, timeout_graceful_shutdown=config.graceful_shutdown_s,
-                               timeout_keep_alive=max(1, int(config.request_timeout_s)), lifespan="on")
+                               http=protocol_with_header_deadline(config.request_timeout_s), lifespan="on")
     server = uvicorn.Server(uv_config)
     server_ref.append(server)
     names = ", ".join(s.name for s in config.models)
