@@ -110,7 +110,8 @@ class SamplingFields(RequestModel):
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: ShortStr | None = Field(None, description="recorded only: limits and sessions key on the API key")
+    user: ShortStr | None = Field(None, description="accepted for compatibility; limits and sessions key on "
+                                                    "the API key (else the address), never on this")
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
