@@ -20,6 +20,7 @@ from novainfer.entrypoints.openai.api_server import build_app
 from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.entrypoints.openai.served_models import ModelRegistry
 from novainfer.entrypoints.openai.sessions import SessionStore
+from tests.test_server_support import metric_value
 from tests.utils import tiny_model
 
 KV_BYTES = 8 << 20
@@ -126,8 +127,9 @@ def test_app_engine_death_gives_500_then_health_503():
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             assert (await client.get("/health")).status_code == 200
+            assert metric_value((await client.get("/metrics")).text, "novainfer:engine_alive", model_name="tiny") == 1
             ok = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert ok.status_code == 200
             _break_after(engine, 2)
@@ -138,6 +140,7 @@ def test_app_engine_death_gives_500_then_health_503():
             assert error["type"] == "server_error" and "Traceback" not in failed.text
             health = await client.get("/health")
             assert health.status_code == 503 and "simulated device failure" in health.json()["error"]["message"]
+            assert metric_value((await client.get("/metrics")).text, "novainfer:engine_alive", model_name="tiny") == 0
             refused = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert refused.status_code == 503
             stream = await client.post("/v1/chat/completions", json={
@@ -157,7 +160,7 @@ def test_app_engine_death_mid_stream_ends_the_stream_with_an_error_event():
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             response = await client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 50, "ignore_eos": True,
                 "stream": True})
@@ -187,7 +190,7 @@ def test_app_unexpected_error_is_a_generic_500(monkeypatch):
 
     async def main():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             response = await client.post("/v1/completions", json={"prompt": "Hi"}, headers={"X-Request-Id": "r-1"})
             assert response.status_code == 500
             assert response.headers["X-Request-Id"] == "r-1"
@@ -204,18 +207,31 @@ def test_app_unexpected_error_is_a_generic_500(monkeypatch):
 def test_session_store_lru_and_ttl():
     now = [0.0]
     store = SessionStore(max_sessions=2, ttl_s=10.0, clock=lambda: now[0])
-    store.save("a", "m", [{"role": "user", "content": "1"}])
-    store.save("b", "m", [])
-    assert store.get("a") is not None  # reading does not count as use: a turn that completes saves
-    store.save("c", "m", [])  # evicts the least recently saved: a
-    assert [s.id for s in store.list()] == ["c", "b"]
+    store.save("p", "a", "m", [{"role": "user", "content": "1"}])
+    store.save("p", "b", "m", [])
+    assert store.get("p", "a") is not None  # reading does not count as use: a turn that completes saves
+    store.save("p", "c", "m", [])  # evicts the least recently saved: a
+    assert [s.id for s in store.list("p")] == ["c", "b"]
     now[0] = 5.0
-    store.save("b", "m", [{"role": "user", "content": "2"}])
+    store.save("p", "b", "m", [{"role": "user", "content": "2"}])
     now[0] = 12.0  # c idle for 12 s > ttl; b for 7 s
-    assert store.get("c") is None and store.get("b") is not None
-    assert store.delete("b") and not store.delete("b") and len(store) == 0
+    assert store.get("p", "c") is None and store.get("p", "b") is not None
+    assert store.delete("p", "b") and not store.delete("p", "b") and len(store) == 0
     with pytest.raises(ValueError):
         SessionStore(max_sessions=0)
+
+
+def test_session_store_owners_are_separate():
+    store = SessionStore(max_sessions=3)
+    mine = store.create("alice", "m")
+    assert len(mine.id) == 32 and int(mine.id, 16) >= 0 and store.create("alice", "m").id != mine.id
+    store.save("bob", mine.id, "m", [{"role": "user", "content": "bob's"}])  # same id, other namespace
+    assert store.get("alice", mine.id).messages == []
+    for i in range(10):  # bob fills and overflows his own quota only
+        store.save("bob", f"s{i}", "m", [])
+    assert len(store.list("bob")) == 3 and store.get("alice", mine.id) is not None
+    assert store.delete("alice", mine.id) and store.get("alice", mine.id) is None
+    assert [s.id for s in store.list("carol")] == []
 
 
 # ---- admission ------------------------------------------------------------------------------------------------
@@ -262,14 +278,15 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_serve_command_line():
     config = server_config_from(_parse())
     assert [s.name for s in config.models] == [TINY_MODEL_NAME] and config.models[0].engine_args.model is None
-    assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
+    assert (config.host, config.port, config.api_keys) == ("127.0.0.1", 8000, [])
 
     config = server_config_from(_parse("dirA", "--model", "dirB", "--served-model-name", "a", "--port", "9001",
                                        "--api-key", "k", "--max-num-seqs", "8", "--max-waiting-requests", "3",
-                                       "--session-ttl", "60"))
+                                       "--session-ttl", "60", "--api-key", "k2", "--api-key", "k"))
     assert [(s.name, s.engine_args.model) for s in config.models] == [("a", "dirA"), ("dirB", "dirB")]
     assert all(s.engine_args.max_num_seqs == 8 for s in config.models)
-    assert config.limits.max_waiting_requests == 3 and config.session_ttl_s == 60 and config.api_key == "k"
+    assert config.limits.max_waiting_requests == 3 and config.session_ttl_s == 60
+    assert config.api_keys == ["k", "k2"]
 
     with pytest.raises(ValueError, match="served-model-name"):
         server_config_from(_parse("dirA", "--served-model-name", "a", "--served-model-name", "b"))
@@ -285,7 +302,7 @@ def test_health_is_503_while_loading():
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             health = await client.get("/health")
             assert health.status_code == 503 and "loading" in health.json()["error"]["message"]
             busy = await client.post("/v1/completions", json={"prompt": "x"})

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from novainfer.engine.output_text import OutputTextState
-from novainfer.engine.stop_strings import StopMatch, find_stop, partial_stop_len
+from novainfer.engine.stop_strings import StopMatch, StopMatcher, find_stop, partial_stop_len
 from tests._tokenizers import load_qwen2_tokenizer
 
 
@@ -54,6 +54,32 @@ def test_find_stop_earliest_wins():
     # Matches starting before search_start are not reported again.
     assert find_stop("two two", ["two"], search_start=1) == StopMatch(4, "two")
     assert StopMatch(4, "two").end == 7
+
+
+def naive_find_stop(text: str, stops: list[str]) -> StopMatch | None:
+    hits = [StopMatch(i, s) for s in stops for i in range(len(text)) if text.startswith(s, i)]
+    return min(hits, key=lambda m: (m.start, len(m.stop)), default=None)
+
+
+@pytest.mark.parametrize("alphabet", ["ab", "abc", "a天气"])
+def test_matcher_fed_in_chunks_matches_naive(alphabet):
+    """The automaton read chunk by chunk finds the first match ending in the chunk that completes
+    one, as a search of the whole text up to that chunk would."""
+    rng = random.Random(alphabet)
+    for _ in range(1500):
+        text = "".join(rng.choices(alphabet, k=rng.randint(0, 14)))
+        stops = ["".join(rng.choices(alphabet, k=rng.randint(1, 5))) for _ in range(rng.randint(1, 6))]
+        matcher, pos, found = StopMatcher(stops), 0, None
+        while pos < len(text) and found is None:
+            size = rng.randint(1, 4)
+            found = matcher.feed(text[pos:pos + size], pos)
+            if found is None:
+                assert matcher.partial_len() == naive_partial_stop_len(text[:pos + size], stops)
+            else:
+                assert found == naive_find_stop(text[:pos + size], stops), (text, stops)
+            pos += size
+        if found is None:
+            assert naive_find_stop(text, stops) is None, (text, stops)
 
 
 # ---------------------------------------------------------- OutputTextState

@@ -15,8 +15,8 @@ import asyncio
 import copy
 import dataclasses
 import logging
-import queue
 import os
+import queue
 import threading
 import time
 import uuid
@@ -35,9 +35,13 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
 # How long it waits when requests exist but nothing could be scheduled (e.g. KV cache full).
 _STALL_POLL_S = 0.002
-# Test-only: the least time a step takes (the thread sleeps out the rest), so that a browser test can
-# act while an answer is still streaming however fast the machine is. Unset in real use.
+# Test-only hooks, read from the environment when the engine starts; never set them otherwise.
+# The least time a step takes (the thread sleeps out the rest), so that a browser test can act
+# while an answer is still streaming however fast the machine is:
 MIN_STEP_S_ENV = "NOVAINFER_TEST_MIN_STEP_S"
+# While the file named here exists, the engine thread waits before each step, as a hung device
+# would, so that tests can watch the watchdog notice:
+TEST_STALL_FILE_ENV = "NOVAINFER_TEST_STALL_FILE"
 
 
 class EngineDeadError(RuntimeError):
@@ -147,6 +151,11 @@ class AsyncLLMEngine:
         self._load = EngineLoad()
         self._stats = copy.deepcopy(engine.get_stats())
         self._thread: threading.Thread | None = None
+        # Progress, written by the engine thread only: whether it has work, and when it last
+        # finished a step (or got work while idle).
+        self._busy = False
+        self._progress_time = time.monotonic()
+        self._stall_file = os.environ.get(TEST_STALL_FILE_ENV)
         self._min_step_s = float(os.environ.get(MIN_STEP_S_ENV) or 0.0)
         if start:
             self.start()
@@ -188,6 +197,10 @@ class AsyncLLMEngine:
     @property
     def dead_error(self) -> EngineDeadError | None:
         return self._dead_error
+
+    def seconds_without_progress(self) -> float:
+        """Seconds since the engine last finished a step while it has work (0 when idle)."""
+        return time.monotonic() - self._progress_time if self._busy else 0.0
 
     # ---- public API (event loop) ----------------------------------------------------------------
     def get_tokenizer(self):
@@ -267,12 +280,18 @@ class AsyncLLMEngine:
                     break
                 self._publish()  # gauges see added and aborted requests before a long step
                 if not self.engine.has_unfinished_requests():
+                    self._busy = False
                     continue
+                if not self._busy:
+                    self._progress_time, self._busy = time.monotonic(), True
+                self._wait_while_test_stalled()
                 steps_before = self.engine.stats.num_steps
                 started = time.monotonic()
                 outputs = self.engine.step()
                 if self._min_step_s:
                     time.sleep(max(0.0, started + self._min_step_s - time.monotonic()))
+                if self.engine.stats.num_steps != steps_before:
+                    self._progress_time = time.monotonic()
                 self._publish()  # before dispatching: whoever sees an output sees the stats of its step
                 self._dispatch(outputs)
                 if self.engine.stats.num_steps == steps_before:
@@ -285,6 +304,10 @@ class AsyncLLMEngine:
             return
         self._die(None)
         logger.debug("engine %s: loop stopped", self.name)
+
+    def _wait_while_test_stalled(self) -> None:
+        while self._stall_file is not None and os.path.exists(self._stall_file) and not self._stopped:
+            time.sleep(0.05)
 
     def _process_commands(self, block: bool, timeout: float = _IDLE_POLL_S) -> bool:
         """Runs queued commands (waiting for one when ``block``); False once asked to stop."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from novainfer.engine.detokenizer import IncrementalDetokenizer
-from novainfer.engine.stop_strings import find_stop, partial_stop_len
+from novainfer.engine.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -42,8 +42,7 @@ class OutputTextState:
             skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=spaces_between_special_tokens,
         )
-        self._stops = tuple(stop)
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._stops = StopMatcher(stop)
         self._include_stop_str_in_output = include_stop_str_in_output
         self._text = ""
         self._stop_matched: str | None = None
@@ -67,13 +66,12 @@ class OutputTextState:
                 f"already ended the output {self._text!r}"
             )
         new_text = self._detokenizer.add_tokens(token_ids)
-        # A match not found by earlier calls must end inside the new text, so
-        # it starts at most max_stop_len - 1 characters before it.
-        search_start = max(0, len(self._text) - self._max_stop_len + 1)
+        offset = len(self._text)
         self._text += new_text
-        if not new_text or not self._stops:
+        if not new_text or not self._stops.stops:
             return None
-        match = find_stop(self._text, self._stops, search_start)
+        # A match not found by earlier calls ends inside the new text: only it is read.
+        match = self._stops.feed(new_text, offset)
         if match is None:
             return None
         self._text = self._text[: match.end if self._include_stop_str_in_output else match.start]
@@ -89,7 +87,7 @@ class OutputTextState:
         """
         end = len(self._text)
         if not finished and self._stop_matched is None:
-            end -= partial_stop_len(self._text, self._stops)
+            end -= self._stops.partial_len()
         if end < self._num_streamed:
             # Only possible if tokens were appended after a finished=True call
             # and a stop string then cut into text that was already streamed.

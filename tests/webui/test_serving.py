@@ -23,7 +23,8 @@ API_KEY = "ui-test-key"
 
 def client(**config) -> TestClient:
     # Not entered as a context manager: the app's lifespan (which loads the model) never runs.
-    return TestClient(build_app(ServerConfig(models=[ModelSpec("tiny", EngineArgs())], **config)))
+    return TestClient(build_app(ServerConfig(models=[ModelSpec("tiny", EngineArgs())], **config)),
+                      base_url="http://localhost")
 
 
 def asset_urls(html: str) -> list[str]:
@@ -35,7 +36,7 @@ def module_imports(js: str) -> list[str]:
 
 
 def test_page_and_every_asset_load_without_the_api_key():
-    http = client(api_key=API_KEY)
+    http = client(api_keys=[API_KEY])
     page = http.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "script-src 'self'" in page.headers["content-security-policy"]

@@ -26,19 +26,39 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                             "default: the MODEL argument as given)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                       help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, if set)")
+    auth = serve.add_argument_group("authentication and network edge")
+    auth.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                      help=f"accept 'Authorization: Bearer KEY' (repeatable: each key is its own client); with a "
+                           f"key, every route but the Web UI's files, /health, /version and /metrics needs one "
+                           f"(default: ${API_KEY_ENV}, if set)")
+    auth.add_argument("--api-key-file", default=None, metavar="PATH",
+                      help="a file of API keys, one per line (blank lines and lines starting with # ignored)")
+    auth.add_argument("--metrics-require-key", action="store_true", help="/metrics needs a key too")
+    auth.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                      help="Host header values accepted ('*': any; default: localhost, 127.0.0.1, ::1 and the "
+                           "bound address, or any when bound to 0.0.0.0 or ::)")
+    auth.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                      help="origins allowed by CORS (default: none, CORS off)")
+    auth.add_argument("--request-timeout", type=float, default=30.0,
+                      help="seconds within which a request's body must have arrived (else 408)")
+    auth.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                      help="largest request body in bytes (larger: 413)")
+    auth.add_argument("--enable-docs", action="store_true",
+                      help="serve the interactive API docs at /docs and /redoc (they load their scripts from a "
+                           "CDN, so they need the browser to be online)")
+    serve.add_argument("--engine-stall-timeout", type=float, default=60.0,
+                       help="seconds a busy engine may go without finishing a step before /health answers 503")
     limits = serve.add_argument_group("backpressure")
     limits.add_argument("--max-waiting-requests", type=int, default=512,
                         help="most sequences (prompts x n) waiting per model; beyond it requests get 429")
     limits.add_argument("--max-queued-prompt-tokens", type=int, default=None,
                         help="most prompt tokens waiting per model; beyond it requests get 429")
     limits.add_argument("--max-concurrent-requests-per-client", type=int, default=None,
-                        help="most in-flight requests per client (the request's 'user', else its address)")
+                        help="most in-flight requests per client (its API key, else its address)")
     limits.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 429")
     sessions = serve.add_argument_group("sessions")
     sessions.add_argument("--max-sessions", type=int, default=1024,
-                          help="most stored chat sessions (least recently used are dropped)")
+                          help="most stored chat sessions per client (its least recently used are dropped)")
     sessions.add_argument("--session-ttl", type=float, default=3600.0,
                           help="seconds an idle chat session is kept")
     serve.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -68,10 +88,26 @@ def server_config_from(ns: argparse.Namespace):
                              max_queued_prompt_tokens=ns.max_queued_prompt_tokens,
                              max_concurrent_per_client=ns.max_concurrent_requests_per_client,
                              retry_after_s=ns.retry_after)
-    return ServerConfig(models=specs, host=ns.host, port=ns.port, api_key=ns.api_key or None, limits=limits,
-                        max_sessions=ns.max_sessions, session_ttl_s=ns.session_ttl,
-                        log_requests=not ns.disable_log_requests, uvicorn_log_level=ns.uvicorn_log_level,
-                        webui=ns.webui)
+    return ServerConfig(models=specs, host=ns.host, port=ns.port, api_keys=api_keys_from(ns),
+                        metrics_require_key=ns.metrics_require_key, limits=limits, max_sessions=ns.max_sessions,
+                        session_ttl_s=ns.session_ttl, log_requests=not ns.disable_log_requests,
+                        max_body_bytes=ns.max_body_bytes, request_timeout_s=ns.request_timeout,
+                        allowed_hosts=ns.allowed_hosts, allowed_origins=ns.allowed_origins,
+                        enable_docs=ns.enable_docs, engine_stall_timeout_s=ns.engine_stall_timeout,
+                        uvicorn_log_level=ns.uvicorn_log_level, webui=ns.webui)
+
+
+def api_keys_from(ns: argparse.Namespace) -> list[str]:
+    """--api-key values, then the keys of --api-key-file, else $NOVAINFER_API_KEY (duplicates dropped)."""
+    keys = list(ns.api_key)
+    if ns.api_key_file:
+        with open(ns.api_key_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ValueError(f"--api-key-file {ns.api_key_file} holds no key")
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys = [os.environ[API_KEY_ENV].strip()]
+    return list(dict.fromkeys(keys))
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

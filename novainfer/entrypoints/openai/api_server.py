@@ -2,9 +2,10 @@
 
     novainfer serve [MODEL ...] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET|DELETE
-/v1/sessions[/{id}], POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /version,
-and the chat Web UI at / (unless ``ServerConfig.webui`` is off).
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET|POST /v1/sessions,
+GET|DELETE /v1/sessions/{id}, POST /tokenize, POST /detokenize, GET|HEAD /health, GET /metrics,
+GET /version, GET /openapi.json, /docs and /redoc (only with ``enable_docs``), and the chat Web UI
+at / (unless ``ServerConfig.webui`` is off).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -22,27 +24,39 @@ from novainfer.entrypoints.openai.admission import AdmissionController, Admissio
 from novainfer.entrypoints.openai.config import ServerConfig
 from novainfer.entrypoints.openai.errors import OpenAIError, error_body, install_exception_handlers, \
     request_id_of
+from novainfer.entrypoints.openai.http_protocol import protocol_with_header_deadline
 from novainfer.entrypoints.openai.metrics import ServerMetrics
-from novainfer.entrypoints.openai.middleware import ApiKeyMiddleware, RequestIdMiddleware
+from novainfer.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware, HostCheckMiddleware, \
+    RequestIdMiddleware
 from novainfer.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, \
     CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, \
-    HealthResponse, ModelCard, ModelList, SessionDeleted, SessionDetail, SessionInfo, SessionList, \
-    TokenizeRequest, TokenizeResponse, VersionResponse
+    HealthResponse, ModelCard, ModelList, SessionCreateRequest, SessionDeleted, SessionDetail, SessionInfo, \
+    SessionList, TokenizeRequest, TokenizeResponse, VersionResponse
 from novainfer.entrypoints.openai.served_models import ModelRegistry
-from novainfer.entrypoints.openai.serving_chat import ChatHandler, plain_messages, render_chat
-from novainfer.entrypoints.openai.serving_common import ServerContext
+from novainfer.entrypoints.openai.serving_chat import ChatHandler, messages_chars, plain_messages, render_chat
+from novainfer.entrypoints.openai.serving_common import ServerContext, check_before_tokenizing, principal_of
 from novainfer.entrypoints.openai.serving_completion import CompletionHandler
 from novainfer.entrypoints.openai.sessions import Session, SessionStore
 from novainfer.entrypoints.openai.webui import mount_webui
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+# Every status a route may answer besides 200, each with OpenAI's error body (400: validation; 401:
+# key; 404: model or session; 408/413: body; 429: overload; 500/503: server). /health, /version
+# and /metrics never need a key.
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429, 500, 503)}
+_OPEN_ERRORS = {status: {"model": ErrorResponse} for status in (400, 408, 413, 500, 503)}
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
 def _context(request: Request) -> ServerContext:
     return request.app.state.ctx
+
+
+def _no_session(session_id: str) -> OpenAIError:
+    # Another principal's session is "not found", exactly like one that never existed.
+    return OpenAIError(f"no session '{session_id}' (never created, deleted, or expired)", 404,
+                       param="session_id", code="session_not_found")
 
 
 def _session_info(session: Session, cls=SessionInfo, **extra) -> SessionInfo:
@@ -74,23 +88,27 @@ def _routes() -> APIRouter:
         model = _context(request).models.get(model_id)
         return ModelCard(id=model.name, root=model.name, max_model_len=model.max_model_len)
 
+    # Sessions live in the namespace of the request's principal: another principal's are not found.
     @router.get("/v1/sessions", response_model=SessionList, responses=_ERRORS)
     async def list_sessions(request: Request) -> SessionList:
-        return SessionList(data=[_session_info(s) for s in _context(request).sessions.list()])
+        return SessionList(data=[_session_info(s) for s in _context(request).sessions.list(principal_of(request))])
+
+    @router.post("/v1/sessions", response_model=SessionInfo, responses=_ERRORS)
+    async def create_session(request: Request, body: SessionCreateRequest | None = None) -> SessionInfo:
+        model = _context(request).models.get(body.model if body is not None else None)
+        return _session_info(_context(request).sessions.create(principal_of(request), model.name))
 
     @router.get("/v1/sessions/{session_id}", response_model=SessionDetail, responses=_ERRORS)
     async def get_session(session_id: str, request: Request) -> SessionDetail:
-        session = _context(request).sessions.get(session_id)
+        session = _context(request).sessions.get(principal_of(request), session_id)
         if session is None:
-            raise OpenAIError(f"no session '{session_id}' (never created, deleted, or expired)", 404,
-                              param="session_id", code="session_not_found")
+            raise _no_session(session_id)
         return _session_info(session, SessionDetail, messages=session.messages)
 
     @router.delete("/v1/sessions/{session_id}", response_model=SessionDeleted, responses=_ERRORS)
     async def delete_session(session_id: str, request: Request) -> SessionDeleted:
-        if not _context(request).sessions.delete(session_id):
-            raise OpenAIError(f"no session '{session_id}' (never created, deleted, or expired)", 404,
-                              param="session_id", code="session_not_found")
+        if not _context(request).sessions.delete(principal_of(request), session_id):
+            raise _no_session(session_id)
         return SessionDeleted(id=session_id)
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
@@ -101,9 +119,12 @@ def _routes() -> APIRouter:
         if body.messages is not None:
             if not body.messages:
                 raise OpenAIError("messages must not be empty", param="messages")
-            tokens = await model.run_tokenizer(render_chat, model, plain_messages(body.messages),
-                                               body.add_generation_prompt)
+            messages = plain_messages(body.messages)
+            check_before_tokenizing(messages_chars(messages), None, model.max_model_len, "messages")
+            tokens = await model.run_tokenizer(render_chat, model, messages, body.add_generation_prompt,
+                                               body.allow_special_tokens_in_content)
         else:
+            check_before_tokenizing(len(body.prompt), None, model.max_model_len, "prompt")
             tokens = await model.run_tokenizer(model.tokenizer.encode, body.prompt,
                                                add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=model.max_model_len, tokens=tokens)
@@ -111,12 +132,15 @@ def _routes() -> APIRouter:
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         model = _context(request).models.get(body.model)
+        if len(body.tokens) > model.max_model_len:
+            raise OpenAIError(f"tokens has {len(body.tokens)} ids; at most {model.max_model_len} (the model's "
+                              f"context) are accepted", param="tokens")
         bad = next((t for t in body.tokens if not 0 <= t < model.vocab_size), None)
         if bad is not None:
             raise OpenAIError(f"tokens must be in [0, {model.vocab_size}), got {bad}", param="tokens")
         return DetokenizeResponse(prompt=await model.run_tokenizer(model.tokenizer.decode, body.tokens))
 
-    @router.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    @router.get("/health", response_model=HealthResponse, responses=_OPEN_ERRORS)
     async def health(request: Request) -> Response:
         healthy, reason = _context(request).models.health()
         if healthy:
@@ -124,11 +148,14 @@ def _routes() -> APIRouter:
         err = OpenAIError(reason, 503, code="unhealthy")
         return JSONResponse(error_body(err, request_id_of(request)), status_code=503)
 
-    @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+    @router.get("/metrics", response_class=Response,
+                responses={**_ERRORS, 200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(_context(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/version", response_model=VersionResponse)
+    @router.get("/version", response_model=VersionResponse, responses=_OPEN_ERRORS)
     async def version() -> VersionResponse:
         return VersionResponse(version=novainfer.__version__)
 
@@ -178,10 +205,11 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
             if owns_registry:
                 registry.shutdown()
 
-    app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan,
-                  max_body_size=config.max_body_bytes)
+    registry.stall_timeout_s = config.engine_stall_timeout_s
+    docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None}
+    app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan, **docs)
     app.state.ctx = ServerContext(models=registry, admission=AdmissionController(config.limits),
-                                  metrics=ServerMetrics(registry.stats),
+                                  metrics=ServerMetrics(registry.stats, registry.alive),
                                   sessions=SessionStore(config.max_sessions, config.session_ttl_s),
                                   log_requests=config.log_requests)
     app.state.config = config
@@ -190,10 +218,23 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
     if config.webui:
         mount_webui(app)
     _document_400_not_422(app)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(RequestIdMiddleware)  # added last = outermost
+    _add_middleware(app, config)
     return app
+
+
+def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
+    """Each ``add_middleware`` wraps the ones before it: the last added runs first. From the
+    outside in: request id and error logging, Host check, CORS, body bounds, then the key."""
+    open_paths = ["/health", "/version", "/", *([] if config.metrics_require_key else ["/metrics"])]
+    app.add_middleware(AuthMiddleware, api_keys=config.api_keys, open_paths=open_paths,
+                       open_prefixes=["/webui/"] if config.webui else [])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.request_timeout_s)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    if config.allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=config.allowed_hosts)
+    app.add_middleware(RequestIdMiddleware)
 
 
 def run_server(config: ServerConfig) -> int:
@@ -209,13 +250,17 @@ def run_server(config: ServerConfig) -> int:
             server_ref[0].should_exit = True
 
     app = build_app(config, on_load_failure=on_load_failure)
+    # Request headers have a deadline in the protocol, the body in BodyLimitMiddleware.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                                access_log=False, timeout_graceful_shutdown=config.graceful_shutdown_s,
-                               lifespan="on")
+                               http=protocol_with_header_deadline(config.request_timeout_s), lifespan="on")
     server = uvicorn.Server(uv_config)
     server_ref.append(server)
     names = ", ".join(s.name for s in config.models)
-    logger.info("serving %s on http://%s:%d (loading models in the background)", names, config.host, config.port)
+    logger.info("serving %s on http://%s:%d (loading models in the background); %s; Host allowed: %s", names,
+                config.host, config.port,
+                f"{len(config.api_keys)} API key(s) required" if config.api_keys else "no API key required",
+                ", ".join(config.allowed_hosts) if config.allowed_hosts is not None else "any")
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown

@@ -1,8 +1,9 @@
 """Every failure as an OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``.
 
 Handlers installed by :func:`install_exception_handlers` turn FastAPI's validation errors (422 by
-default) into 400s naming the field, HTTP errors (404 route, 405 method, 413 body) into the same
-shape, and :class:`OpenAIError` raised anywhere in a handler into its status. Unexpected
+default) into 400s naming the field, HTTP errors (404 route, 405 method, and the 408/413 of a body
+refused while it is read, which carry their own OpenAIError) into the same shape, and
+:class:`OpenAIError` raised anywhere in a handler into its status. Unexpected
 exceptions are caught by the outermost middleware (see ``middleware.py``), never by these.
 """
 
@@ -131,6 +132,9 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        carried = getattr(exc, "openai_error", None)  # raised below the app with its own error
+        if isinstance(carried, OpenAIError):
+            return error_response(carried, request_id_of(request))
         if exc.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}"
         elif exc.status_code == 405:

@@ -36,12 +36,19 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 class EngineStatsCollector(Collector):
     """Reads ``{model_name: EngineStats}`` at scrape time."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, EngineStats]]) -> None:
+    def __init__(self, get_stats: Callable[[], dict[str, EngineStats]],
+                 get_alive: Callable[[], dict[str, bool]]) -> None:
         self._get_stats = get_stats
+        self._get_alive = get_alive
 
     def collect(self) -> Iterable[Metric]:
         stats = self._get_stats()
         labels = ["model_name"]
+        alive = GaugeMetricFamily(PREFIX + "engine_alive", "1 while the model's engine runs, 0 once it died.",
+                                  labels=labels)
+        for model, running in self._get_alive().items():
+            alive.add_metric([model], 1.0 if running else 0.0)
+        yield alive
 
         def gauge(name: str, doc: str, attr: str) -> GaugeMetricFamily:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
@@ -74,9 +81,10 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """All metrics of one app, in its own registry."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, EngineStats]]) -> None:
+    def __init__(self, get_stats: Callable[[], dict[str, EngineStats]],
+                 get_alive: Callable[[], dict[str, bool]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineStatsCollector(get_stats))
+        self.registry.register(EngineStatsCollector(get_stats, get_alive))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
@@ -104,8 +112,10 @@ class RequestTracker:
     """Follows one API request's engine outputs; observes latencies and logs one line at the end."""
 
     def __init__(self, metrics: ServerMetrics, request_id: str, model: str, endpoint: str,
-                 arrival_time: float, log_requests: bool = True, response_id: str | None = None) -> None:
+                 arrival_time: float, log_requests: bool = True, response_id: str | None = None,
+                 principal: str | None = None) -> None:
         self.metrics = metrics
+        self.principal = principal
         self.request_id = request_id
         self.response_id = response_id
         self.model = model
@@ -165,7 +175,7 @@ class RequestTracker:
             self.metrics.e2e_request_latency.labels(model).observe(max(latency, 0.0))
         if self.log_requests:
             record = {"event": "request_finished", "request_id": self.request_id, "response_id": self.response_id,
-                      "model": model,
+                      "client": self.principal, "model": model,
                       "endpoint": self.endpoint, "status": status, "http_status": http_status,
                       "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                       "cached_tokens": self.cached_tokens,

@@ -8,21 +8,67 @@ this server does not implement are declared, so that they are rejected with a me
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.sampling_params import MAX_LOGPROBS
 
-# A request may ask for at most this many completions per prompt (n): bounds the work one request
-# can create; admission control also counts n.
-MAX_N = 64
+# Bounds on what one request may ask for, all checked before any tokenization (each refusal is a
+# 400 naming the field and the bound). Prompt text is bounded in characters by the model's
+# context (see serving_common.max_prompt_chars).
+MAX_N = 64  # completions per prompt (n, best_of); admission control also counts n
+MAX_MESSAGES = 1024  # messages of one chat request
+MAX_PROMPTS = 64  # prompts of one completion request
+MAX_STOP_STRINGS = 16  # OpenAI allows 4
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's bound
+MAX_SHORT_STRING = 256  # user, name, model
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+ShortStr = Annotated[str, Field(max_length=MAX_SHORT_STRING)]
+
+
+def _json_path(path: str, key: Any) -> str:
+    return f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+
+
+def check_unicode(value: Any, path: str = "") -> None:
+    """Raises a 400 naming the JSON path of the first string (key or value) holding a lone surrogate.
+
+    JSON may escape one (``"\\ud800"``) and Python's decoder keeps it, but it is not a character:
+    it cannot be encoded, tokenized or logged.
+    """
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise OpenAIError(f"'{path or 'body'}' holds invalid Unicode (a lone surrogate code point)",
+                              param=path or None, code="invalid_unicode")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, _json_path(path, "<key>"))
+            check_unicode(item, _json_path(path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_unicode(item, _json_path(path, index))
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class RequestModel(StrictModel):
+    """A request body: on top of strict validation, every string in it must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        check_unicode(data)
+        return data
 
 
 # ---- shared request pieces -------------------------------------------------------------------------
@@ -38,7 +84,7 @@ class TextContentPart(StrictModel):
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    name: ShortStr | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -49,34 +95,48 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestModel):
     """Sampling fields common to both generation endpoints (OpenAI's, then vLLM's extras)."""
 
-    model: str | None = Field(None, description="served model name; defaults to the first served model")
+    model: ShortStr | None = Field(None, description="served model name; defaults to the first served model")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(
+        None, description=f"at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_STRING_CHARS} characters")
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    user: ShortStr | None = Field(None, description="accepted for compatibility; limits and sessions key on "
+                                                    "the API key (else the address), never on this")
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Declared only to be refused with a clear message.
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = Field(None, max_length=MAX_LOGIT_BIAS)
 
     UNSUPPORTED_IF_SET: ClassVar[tuple[str, ...]] = ("logit_bias",)
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}")
+        bad = next((s for s in stops if not 1 <= len(s) <= MAX_STOP_STRING_CHARS), None)
+        if bad is not None:
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters, got one of "
+                             f"{len(bad)}")
+        return stop
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value this server does not implement."""
@@ -90,7 +150,10 @@ class SamplingFields(StrictModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    allow_special_tokens_in_content: bool = Field(
+        False, description="parse special-token text (e.g. '<|im_start|>') inside message content as control "
+                           "tokens; by default it is tokenized as plain text")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -122,13 +185,15 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | list[int] | \
+        Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)] = Field(
+            ..., description="text (special-token text in it is parsed as such), token ids, or a list of either")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Declared only to be refused with a clear message.
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     UNSUPPORTED_IF_SET: ClassVar[tuple[str, ...]] = ("logit_bias", "suffix")
 
@@ -143,17 +208,22 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
 
-class TokenizeRequest(StrictModel):
-    model: str | None = None
+class TokenizeRequest(RequestModel):
+    model: ShortStr | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
+    allow_special_tokens_in_content: bool = False
 
 
-class DetokenizeRequest(StrictModel):
-    model: str | None = None
+class DetokenizeRequest(RequestModel):
+    model: ShortStr | None = None
     tokens: list[int]
+
+
+class SessionCreateRequest(RequestModel):
+    model: ShortStr | None = Field(None, description="served model name; defaults to the first served model")
 
 
 # ---- responses ---------------------------------------------------------------------------------------

@@ -41,10 +41,13 @@ class ServedModel:
     name: str
     engine: AsyncLLMEngine
     tokenizer: Any  # the server's own instance: the engine thread's one is never shared
+    # The smaller of the configured context and what the KV cache holds for one request.
     max_model_len: int
     vocab_size: int
     # Tokenizing a long prompt or rendering a chat template takes a while: it runs on this one
     # thread (one at a time, so the tokenizer is never used concurrently), not on the event loop.
+    # Its queue is bounded in effect: prompts are bounded in characters before they get here, and
+    # admission bounds how many requests wait.
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="novainfer-tokenizer"))
 
@@ -74,6 +77,7 @@ class ModelRegistry:
         self.state = LoadState.LOADING
         self.error: str | None = None
         self._thread: threading.Thread | None = None
+        self.stall_timeout_s = 60.0  # a busy engine without a finished step for longer is unhealthy
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
@@ -89,7 +93,12 @@ class ModelRegistry:
     def _serve(name: str, engine: AsyncLLMEngine) -> ServedModel:
         config = engine.model_config
         tokenizer = get_tokenizer(config.tokenizer)
-        return ServedModel(name, engine, tokenizer, config.max_model_len, config.vocab_size)
+        kv = engine.engine.kv_cache_manager
+        capacity = kv.num_blocks * kv.block_size
+        max_model_len = min(config.max_model_len, capacity)
+        logger.info("model '%s': max_model_len=%d (configured %d; the KV cache holds %d blocks x %d = %d tokens)",
+                    name, max_model_len, config.max_model_len, kv.num_blocks, kv.block_size, capacity)
+        return ServedModel(name, engine, tokenizer, max_model_len, config.vocab_size)
 
     def load(self) -> None:
         """Loads every model in the calling thread; sets ``state``."""
@@ -98,8 +107,7 @@ class ModelRegistry:
                 logger.info("loading model '%s'", spec.name)
                 engine = AsyncLLMEngine.from_engine_args(spec.engine_args, name=spec.name)
                 self._models[spec.name] = self._serve(spec.name, engine)
-                logger.info("model '%s' ready (max_model_len=%d)", spec.name,
-                            self._models[spec.name].max_model_len)
+                logger.info("model '%s' ready", spec.name)
         except Exception as exc:
             logger.exception("loading the models failed")
             self.error = f"{type(exc).__name__}: {exc}"
@@ -140,7 +148,16 @@ class ModelRegistry:
         if dead:
             errors = "; ".join(str(self._models[n].engine.dead_error or "stopped") for n in dead)
             return False, f"engine(s) {dead} are not running: {errors}"
+        for name, model in self._models.items():
+            stalled = model.engine.seconds_without_progress()
+            if stalled > self.stall_timeout_s:
+                return False, (f"the engine of model '{name}' has work but finished no step for {stalled:.1f} s "
+                               f"(limit {self.stall_timeout_s:g} s)")
         return True, "ok"
+
+    def alive(self) -> dict[str, bool]:
+        """Whether each loaded model's engine is running."""
+        return {m.name: m.engine.is_healthy for m in self.ready_models()}
 
     def get(self, name: str | None) -> ServedModel:
         """The served model named by a request (None: the first); raises OpenAIError 404/503."""

@@ -34,7 +34,7 @@ class ServerProcess:
     def __init__(self, args: list[str], startup_timeout: float = 120.0,
                  cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.args = list(args)
-        self.env = dict(env or {})
+        self.extra_env = dict(env or {})
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout = startup_timeout
@@ -61,7 +61,7 @@ class ServerProcess:
         env = dict(os.environ)
         env.pop("NOVAINFER_API_KEY", None)  # only an explicit --api-key turns auth on in tests
         env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.env)
+        env.update(self.extra_env)
         cmd = [sys.executable, "-m", "novainfer.entrypoints.cli.main", "serve", *self.args,
                "--host", "127.0.0.1", "--port", str(self.port)]
         self._log_start = Path(self._log.name).stat().st_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,7 @@ from novainfer.entrypoints.openai.logprobs import chat_logprobs
 from novainfer.entrypoints.openai.protocol import ChatCompletionChoice, ChatCompletionRequest, \
     ChatCompletionResponse, ChatMessage, ChatResponseMessage, UsageInfo
 from novainfer.entrypoints.openai.serving_common import GenerationHandler, ServerContext, Submission, \
-    check_lengths, sampling_params
+    check_before_tokenizing, check_lengths, principal_of, sampling_params
 from novainfer.entrypoints.openai.served_models import ServedModel
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
@@ -24,16 +25,46 @@ logger = logging.getLogger(__name__)
 _ROLE_ALIASES = {"developer": "system"}
 
 
-def render_chat(model: ServedModel, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Applies the model's chat template and tokenizes it exactly as the offline ``LLM.chat`` does."""
+def _apply_template(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # template errors (e.g. "roles must alternate") are the request's fault
+        raise OpenAIError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
+
+
+def render_chat(model: ServedModel, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                special_tokens_in_content: bool = False) -> list[int]:
+    """Applies the model's chat template and tokenizes it as the offline ``LLM.chat`` does, except
+    that text in a message's content that spells a special token (``<|im_start|>``) stays text,
+    unless ``special_tokens_in_content``: only the template's own markers become control tokens.
+
+    For that, the template is rendered with a unique placeholder for each content, and the pieces
+    between placeholders (the template's) are tokenized with special tokens parsed, the contents
+    with them split as plain text. Messages without such text take the plain path.
+    """
     tokenizer = model.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError(f"model '{model.name}' has no chat template; use /v1/completions", param="messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # template errors (e.g. "roles must alternate") are the request's fault
-        raise OpenAIError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    specials = tuple(tokenizer.added_tokens_encoder)
+    if special_tokens_in_content or not any(sp in m["content"] for m in messages for sp in specials):
+        return tokenizer.encode(_apply_template(tokenizer, messages, add_generation_prompt), add_special_tokens=False)
+    marks = [f"@@content-{secrets.token_hex(8)}@@" for _ in messages]
+    text = _apply_template(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)],
+                           add_generation_prompt)
+    ids: list[int] = []
+    for message, mark in zip(messages, marks):
+        template_part, found, text = text.partition(mark)
+        if not found or mark in text:
+            raise OpenAIError("a message's content holds special-token text, and this model's chat template does "
+                              "not render content verbatim, so it cannot be kept as plain text; remove it or set "
+                              "allow_special_tokens_in_content", param="messages", code="special_tokens_in_content")
+        ids += tokenizer.encode(template_part, add_special_tokens=False)
+        ids += tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True)
+    return ids + tokenizer.encode(text, add_special_tokens=False)
+
+
+def messages_chars(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"]) for m in messages)
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -58,15 +89,20 @@ class ChatHandler(GenerationHandler):
     async def _prepare(self, model: ServedModel) -> tuple[list[list[int]], SamplingParams]:
         body = self.body
         history: list[dict[str, str]] = []
+        max_tokens = body.effective_max_tokens()
+        new_messages = plain_messages(body.messages)
+        check_before_tokenizing(messages_chars(new_messages), max_tokens, model.max_model_len, "messages")
         if body.session_id is not None:
-            lock = self.ctx.sessions.lock(body.session_id)
+            owner = principal_of(self.request)
+            lock = self.ctx.sessions.lock(owner, body.session_id)
             await lock.acquire()
             self.scope.add(lock.release)
-            session = self.ctx.sessions.get(body.session_id)
+            session = self.ctx.sessions.get(owner, body.session_id)
             history = list(session.messages) if session is not None else []
-        self.messages = history + plain_messages(body.messages)
-        prompt = await model.run_tokenizer(render_chat, model, self.messages)
-        max_tokens = body.effective_max_tokens()
+        self.messages = history + new_messages
+        check_before_tokenizing(messages_chars(self.messages), max_tokens, model.max_model_len, "messages")
+        prompt = await model.run_tokenizer(render_chat, model, self.messages, True,
+                                           body.allow_special_tokens_in_content)
         check_lengths(len(prompt), max_tokens, model.max_model_len, "messages")
         return [prompt], sampling_params(body, max_tokens, self.top_logprobs)
 
@@ -74,7 +110,7 @@ class ChatHandler(GenerationHandler):
         """Saves the conversation, with the first choice as the reply, if it ended normally."""
         reply = finals[0].outputs[0]
         if self.body.session_id is not None and reply.finish_reason in ("stop", "length"):
-            self.ctx.sessions.save(self.body.session_id, model,
+            self.ctx.sessions.save(principal_of(self.request), self.body.session_id, model,
                                    self.messages + [{"role": "assistant", "content": reply.text}])
 
     def _response_body(self, model: ServedModel, finals: list[RequestOutput],

@@ -46,12 +46,34 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def client_key(request: Request, user: str | None) -> str:
-    """Who a request counts against for the per-client limit: its ``user``, else its address."""
-    if user:
-        return f"user:{user}"
-    host = request.client.host if request.client else "unknown"
-    return f"ip:{host}"
+def principal_of(request: Request) -> str:
+    """Who made the request: ``key:<digest>`` of its API key, else ``ip:<address>`` (set by the auth
+    middleware). Limits, sessions and logs key on it, never on a body field."""
+    principal = getattr(request.state, "principal", None)
+    if principal is None:
+        raise RuntimeError("no principal on the request: the app runs without its auth middleware")
+    return principal
+
+
+# A prompt's characters are bounded before it is tokenized, by this many per token of context:
+# generous (tokens of real text average 3 to 5 characters), and cheap to check.
+PROMPT_CHARS_PER_TOKEN = 32
+
+
+def max_prompt_chars(max_model_len: int) -> int:
+    return PROMPT_CHARS_PER_TOKEN * max_model_len
+
+
+def check_before_tokenizing(num_chars: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
+    """The bounds that need no tokenization: the prompt's characters and max_tokens alone."""
+    limit = max_prompt_chars(max_model_len)
+    if num_chars > limit:
+        raise OpenAIError(f"'{prompt_param}' has {num_chars} characters; this server accepts at most {limit} "
+                          f"({PROMPT_CHARS_PER_TOKEN} per token of the model's {max_model_len}-token context)",
+                          param=prompt_param, code="context_length_exceeded")
+    if max_tokens is not None and max_tokens >= max_model_len:
+        raise OpenAIError(f"max_tokens={max_tokens} leaves no room for a prompt in this model's maximum context "
+                          f"length of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
 
 
 class RequestScope:
@@ -128,7 +150,7 @@ class Submission:
 
 
 async def submit(ctx: ServerContext, request: Request, model: ServedModel, response_id: str, endpoint: str,
-                 prompts: list[list[int]], params: SamplingParams, user: str | None, arrival_time: float,
+                 prompts: list[list[int]], params: SamplingParams, arrival_time: float,
                  scope: RequestScope) -> Submission:
     """Admits the request and hands its prompts to the engine.
 
@@ -138,7 +160,7 @@ async def submit(ctx: ServerContext, request: Request, model: ServedModel, respo
     num_tokens = sum(len(p) for p in prompts) * params.n
     num_seqs = len(prompts) * params.n
     try:
-        ticket: Ticket = ctx.admission.admit(model.name, model.engine, client_key(request, user), num_seqs,
+        ticket: Ticket = ctx.admission.admit(model.name, model.engine, principal_of(request), num_seqs,
                                              num_tokens)
     except OpenAIError as err:
         if err.status == 429:
@@ -146,7 +168,8 @@ async def submit(ctx: ServerContext, request: Request, model: ServedModel, respo
         raise
     scope.add(ticket.release)
     tracker = RequestTracker(ctx.metrics, request_id_of(request) or response_id, model.name, endpoint,
-                             arrival_time, ctx.log_requests, response_id=response_id)
+                             arrival_time, ctx.log_requests, response_id=response_id,
+                             principal=principal_of(request))
     tracker.set_usage(sum(len(p) for p in prompts), 0, 0)
     scope.add(lambda: tracker.finish("aborted"))  # if nothing reports a better status first
     submission = Submission(model, [], tracker, scope, arrival_time)
@@ -220,7 +243,7 @@ class GenerationHandler(ABC):
         try:
             prompts, params = await self._prepare(model)
             submission = await submit(self.ctx, self.request, model, self.response_id, self.endpoint, prompts,
-                                      params, body.user, self.arrival_time, self.scope)
+                                      params, self.arrival_time, self.scope)
         except BaseException:
             self.scope.close()
             raise

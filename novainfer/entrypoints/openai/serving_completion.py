@@ -14,8 +14,8 @@ from typing import Any
 from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.entrypoints.openai.logprobs import completion_logprobs
 from novainfer.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
-from novainfer.entrypoints.openai.serving_common import GenerationHandler, Submission, check_lengths, \
-    sampling_params
+from novainfer.entrypoints.openai.serving_common import GenerationHandler, Submission, check_before_tokenizing, \
+    check_lengths, sampling_params
 from novainfer.entrypoints.openai.served_models import ServedModel
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
@@ -23,16 +23,20 @@ from novainfer.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def tokenize_prompts(model: ServedModel, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-    """Every prompt of the request as token ids (text is encoded as the engine does)."""
+def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The request's prompts, each a string or a list of token ids."""
     if isinstance(prompt, str):
-        prompts: list[Any] = [prompt]
-    elif not prompt:
+        return [prompt]
+    if not prompt:
         raise OpenAIError("prompt must not be an empty list", param="prompt")
-    elif isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+    if isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)
+
+
+def tokenize_prompts(model: ServedModel, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Every prompt as token ids. Text is encoded as the engine does: it is the client's own raw
+    prompt, so special-token text in it is parsed as special tokens (as vLLM does)."""
     token_lists = []
     for p in prompts:
         ids = model.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
@@ -55,7 +59,10 @@ class CompletionHandler(GenerationHandler):
 
     async def _prepare(self, model: ServedModel) -> tuple[list[list[int]], SamplingParams]:
         body = self.body
-        prompts = await model.run_tokenizer(tokenize_prompts, model, body.prompt)
+        raw = split_prompts(body.prompt)
+        for p in raw:  # token-id prompts are checked the same way: one id counts as one character
+            check_before_tokenizing(len(p), body.max_tokens, model.max_model_len, "prompt")
+        prompts = await model.run_tokenizer(tokenize_prompts, model, raw)
         for ids in prompts:
             check_lengths(len(ids), body.max_tokens, model.max_model_len, "prompt")
         return prompts, sampling_params(body, body.max_tokens, body.logprobs)
