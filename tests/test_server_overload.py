@@ -24,16 +24,25 @@ BIG_CONFIG = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, n
                   num_key_value_heads=2, head_dim=32)
 
 
+# Each simulated client has an API key of its own: the key, not anything in the body, is the client.
+CLIENTS = ("observer", "runner-0", "runner-1", "q-0", "q-1", "extra-0", "extra-1", "extra-2", "alice", "bob")
+
+
+def auth(client: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer key-of-{client}"}
+
+
 @pytest.fixture(scope="module")
 def server():
+    keys = [arg for client in CLIENTS for arg in ("--api-key", f"key-of-{client}")]
     yield from serve([str(tiny_model()), "--served-model-name", "tiny", "--max-num-seqs", "2", "--max-waiting-requests", "2",
                       "--max-concurrent-requests-per-client", "3", "--retry-after", "2",
-                      "--kv-cache-memory-bytes", str(32 << 20)])
+                      "--kv-cache-memory-bytes", str(32 << 20), *keys])
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+    with httpx.Client(base_url=server.base_url, timeout=120, headers=auth("observer")) as c:
         yield c
 
 
@@ -53,18 +62,18 @@ def _wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> boo
 class OpenStream:
     """A streaming completion read in a thread; ``first_chunk`` is set once it runs, ``close()`` hangs up."""
 
-    def __init__(self, base_url: str, body: dict) -> None:
+    def __init__(self, base_url: str, body: dict, client: str) -> None:
         self.first_chunk = threading.Event()
         self._hang_up = threading.Event()
         self.lines: list[str] = []
         self.status: int | None = None
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(base_url, body), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(base_url, body, auth(client)), daemon=True)
         self._thread.start()
 
-    def _run(self, base_url: str, body: dict) -> None:
+    def _run(self, base_url: str, body: dict, headers: dict[str, str]) -> None:
         try:
-            with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True},
+            with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, headers=headers,
                               timeout=120) as response:
                 self.status = response.status_code
                 for line in response.iter_lines():
@@ -91,20 +100,19 @@ class OpenStream:
 def test_overload_gets_429_while_admitted_requests_complete(server, http):
     long_body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True,
                  "temperature": 0}
-    running = [OpenStream(server.base_url, {**long_body, "user": f"runner-{i}"}) for i in range(2)]
+    running = [OpenStream(server.base_url, long_body, f"runner-{i}") for i in range(2)]
     for stream in running:
         assert stream.first_chunk.wait(60) and stream.status == 200
     assert _gauge(http, "num_requests_running") == 2
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        queued = [pool.submit(http.post, "/v1/completions", json={
-            "model": "tiny", "prompt": f"queued {i}", "max_tokens": 4, "ignore_eos": True, "user": f"q-{i}"})
-            for i in range(2)]
+        queued = [pool.submit(http.post, "/v1/completions", headers=auth(f"q-{i}"), json={
+            "model": "tiny", "prompt": f"queued {i}", "max_tokens": 4, "ignore_eos": True}) for i in range(2)]
         assert _wait_until(lambda: _gauge(http, "num_requests_waiting") == 2), "the two requests never queued"
 
         for i in range(3):
-            refused = http.post("/v1/completions", json={"model": "tiny", "prompt": "one more", "max_tokens": 4,
-                                                         "user": f"extra-{i}"})
+            refused = http.post("/v1/completions", headers=auth(f"extra-{i}"),
+                                json={"model": "tiny", "prompt": "one more", "max_tokens": 4})
             assert refused.status_code == 429, refused.text
             assert refused.headers["Retry-After"] == "2"
             error = refused.json()["error"]
@@ -129,19 +137,20 @@ def test_overload_gets_429_while_admitted_requests_complete(server, http):
 
 
 def test_per_client_concurrency_limit(server, http):
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "user": "alice"}
-    long_streams = [OpenStream(server.base_url, body) for _ in range(2)]
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True}
+    long_streams = [OpenStream(server.base_url, body, "alice") for _ in range(2)]
     for stream in long_streams:
         assert stream.first_chunk.wait(60) and stream.status == 200
-    third = OpenStream(server.base_url, {**body, "max_tokens": 4})  # waits in the queue: admitted
+    third = OpenStream(server.base_url, {**body, "max_tokens": 4}, "alice")  # waits in the queue: admitted
     assert _wait_until(lambda: _gauge(http, "num_requests_waiting") == 1)
 
-    refused = http.post("/v1/completions", json={**body, "max_tokens": 4})
+    # Naming another user in the body changes nothing: the key is the client.
+    refused = http.post("/v1/completions", headers=auth("alice"), json={**body, "max_tokens": 4, "user": "carol"})
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "client_concurrency_limit" and "Retry-After" in refused.headers
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        bob = pool.submit(http.post, "/v1/completions", json={**body, "user": "bob", "max_tokens": 2})
+        bob = pool.submit(http.post, "/v1/completions", headers=auth("bob"), json={**body, "max_tokens": 2})
         assert _wait_until(lambda: _gauge(http, "num_requests_waiting") == 2)
         # Hanging up aborts alice's long requests, which lets the queued ones run.
         for stream in long_streams:
@@ -150,7 +159,7 @@ def test_per_client_concurrency_limit(server, http):
         assert third.lines[-1] == "data: [DONE]"
         assert bob.result(timeout=60).status_code == 200
     assert _wait_until(lambda: _gauge(http, "num_requests_running") == 0, timeout=30)
-    assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+    assert http.post("/v1/completions", headers=auth("alice"), json={**body, "max_tokens": 2}).status_code == 200
 
 
 def test_health_answers_fast_during_long_prefill(tmp_path):
