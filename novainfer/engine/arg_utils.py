@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
+from novainfer.builtin_models import resolve_model
 from novainfer.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, normalize_parallel_config, \
     resolve_device
 from novainfer.core.sched.scheduler import SchedulerConfig
@@ -13,7 +14,8 @@ from novainfer.core.sched.scheduler import SchedulerConfig
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None: the built-in tiny model
+    # A directory, a .gguf file, or a built-in model's name ("smollm2", "tiny"); None: SmolLM2-135M-Instruct.
+    model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -50,9 +52,7 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        from novainfer.tiny_model import get_tiny_model_dir
-
-        model = self.model or str(get_tiny_model_dir())
+        model = resolve_model(self.model)
         device = resolve_device(self.device)
         model_config = ModelConfig(model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
                                    max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,

@@ -7,6 +7,9 @@ import logging
 import sys
 
 from novainfer.entrypoints.cli import args as cli_args
+
+MODEL_HELP = ("a model directory or .gguf file, or a built-in model: 'smollm2' (SmolLM2-135M-Instruct, the "
+              "default) or 'tiny' (a tiny random-weight test model)")
 from novainfer.tiny_model import TINY_CONFIGS
 
 
@@ -71,14 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion for a prompt, streamed to stdout")
-    gen.add_argument("--model", default=None, help="model directory or .gguf file (default: the built-in tiny model)")
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
     gen.add_argument("--prompt", required=True)
     cli_args.add_sampling_args(gen, {"temperature": 0.0, "max_tokens": 64})
     cli_args.add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
-    chat.add_argument("--model", default=None, help="model directory or .gguf file (default: the built-in tiny model)")
+    chat.add_argument("--model", default=None, help=MODEL_HELP)
     chat.add_argument("--system", default=None, help="system prompt")
     cli_args.add_sampling_args(chat, {"temperature": 0.7, "max_tokens": 128})
     cli_args.add_engine_args(chat)

@@ -6,10 +6,9 @@ import argparse
 import logging
 import os
 
+from novainfer.builtin_models import served_model_name
 from novainfer.entrypoints.cli import args as cli_args
 
-# The served name of the built-in tiny model (used when no model is given).
-TINY_MODEL_NAME = "novainfer-tiny"
 API_KEY_ENV = "NOVAINFER_API_KEY"
 
 
@@ -18,12 +17,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                            description="Serve one or more models over an OpenAI-compatible HTTP API. Requests "
                                        "pick a model by its served name (the request's 'model' field).")
     serve.add_argument("models", nargs="*", metavar="MODEL",
-                       help="model directories or .gguf files to serve (default: the built-in tiny model)")
+                       help="models to serve: directories, .gguf files, or the built-in 'smollm2' "
+                            "(SmolLM2-135M-Instruct, the default) or 'tiny' (a tiny random-weight test model)")
     serve.add_argument("--model", dest="extra_models", action="append", default=[], metavar="MODEL",
-                       help="another model directory or .gguf file to serve (repeatable)")
+                       help="another model to serve (repeatable)")
     serve.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                        help="the name clients use for the model at the same position (repeatable; "
-                            "default: the MODEL argument as given)")
+                            "default: the MODEL argument as given, or a built-in model's own name)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     auth = serve.add_argument_group("authentication and network edge")
@@ -82,7 +82,7 @@ def server_config_from(ns: argparse.Namespace):
     names = list(ns.served_model_name)
     if len(names) > len(paths):
         raise ValueError(f"{len(names)} --served-model-name given for {len(paths)} model(s)")
-    names += [p if p is not None else TINY_MODEL_NAME for p in paths[len(names):]]
+    names += [served_model_name(p) for p in paths[len(names):]]
     specs = [ModelSpec(name, cli_args.engine_args_from(ns, path)) for name, path in zip(names, paths)]
     limits = AdmissionLimits(max_waiting_requests=ns.max_waiting_requests,
                              max_queued_prompt_tokens=ns.max_queued_prompt_tokens,
