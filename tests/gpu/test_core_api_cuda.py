@@ -63,16 +63,20 @@ def test_shared_prompt_and_shifted_positions(attention):
     assert model.kv_used_cells() == 40 + 40 + 3
 
 
-def test_bfloat16_paths_agree():
-    """The Triton paged path and the masked path on the same bf16 batches: same greedy tokens
-    except near-ties (logit gap below 0.1)."""
+def test_bfloat16_paths_are_as_close_to_float32_as_transformers_bf16():
+    """The Triton paged path and the masked path on the same bf16 batch: each path's logits are about as
+    close to the float32 truth as transformers' own bf16 logits (within 2x their error plus 0.05, the
+    tolerance of the engine's bf16 parity tests)."""
     path = tiny_model()
     models = [Model.from_pretrained(path, device="cuda", dtype="bfloat16", n_ctx=256, n_seq_max=2, attention=a)
               for a in ("triton", "masked")]
     prompts = {0: random_ids(5, 50, models[0].n_vocab), 1: random_ids(6, 17, models[0].n_vocab)}
-    logits = []
     for model in models:
         code, where = decode_seqs(model, prompts, logits="all")
         assert code == 0, model.last_error
-        logits.append(model.get_logits().float().cpu())
-    torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.02)
+        logits = model.get_logits().float().cpu()
+        for seq, prompt in prompts.items():
+            truth = hf_logits(path, prompt, torch.float32, "cuda").cpu()
+            theirs = hf_logits(path, prompt, torch.bfloat16, "cuda").cpu()
+            ours = logits[[model.output_ids().index(i) for i in where[seq]]]
+            assert (ours - truth).abs().max() <= 2 * (theirs - truth).abs().max() + 0.05
