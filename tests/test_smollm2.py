@@ -20,16 +20,11 @@ from novainfer import LLM, SamplingParams
 from novainfer.builtin_models import smollm2_path
 from novainfer.config import ModelConfig
 from novainfer.model_loader.gguf import iterate_gguf_weights
+from tests._chat_prompts import QUESTIONS, conversation
 from tests.test_server_support import serve
 
 pytestmark = pytest.mark.slow
 
-SYSTEM = ("You are a concise assistant for a geography and science quiz. Answer every question in one short "
-          "sentence, with no preamble, no lists and no follow-up questions. If you do not know, say so.")
-QUESTIONS = ["What is the capital of France?", "What is the largest planet in the solar system?",
-             "What gas do plants take in from the air?", "How many continents are there?",
-             "What is the boiling point of water at sea level in Celsius?", "Which ocean is the largest?",
-             "What is the chemical symbol for gold?", "Who wrote Romeo and Juliet?"]
 MAX_TOKENS = 24
 
 
@@ -49,10 +44,6 @@ def hf(path):
 @pytest.fixture(scope="module")
 def hf_tokenizer(path):
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
-def conversation(question: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
 def test_weights_and_config_match_transformers(path, hf):

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from novainfer import LLM, SamplingParams
 from novainfer.builtin_models import smollm2_path
 from tests.test_model_parity import block_tables_for, make_runner
-from tests.test_smollm2 import QUESTIONS, conversation
+from tests._chat_prompts import QUESTIONS, conversation
 
 pytestmark = pytest.mark.gpu
 MAX_TOKENS = 32
