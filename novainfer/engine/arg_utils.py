@@ -66,7 +66,11 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=self.max_num_seqs,
                                            max_model_len=model_config.max_model_len,
                                            async_scheduling=(device.type == "cuda" if self.async_scheduling is None
-                                                             else self.async_scheduling))
+                                                             else self.async_scheduling),
+                                           # Steps with decodes stay within the captured graphs.
+                                           max_mixed_step_tokens=(self.max_cudagraph_capture_size
+                                                                  if device.type == "cuda" and not self.enforce_eager
+                                                                  else None))
         parallel_config = normalize_parallel_config(ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,

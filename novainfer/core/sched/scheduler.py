@@ -27,6 +27,10 @@ from novainfer.engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
+# The least prompt tokens a step with decodes may take under ``max_mixed_step_tokens``.
+MIN_MIXED_PROMPT_CHUNK = 64
+
+
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = 8192
@@ -35,10 +39,17 @@ class SchedulerConfig:
     # Schedule and launch step N+1 before step N's tokens are on the host: the host's work of a
     # step (scheduling, input staging, output processing) then overlaps the device's.
     async_scheduling: bool = False
+    # The most tokens of a step that also decodes (None: max_num_batched_tokens). Prompt chunks then
+    # fill such a step only up to this bound (that of the captured CUDA graphs), so an arriving
+    # prompt never stalls the running streams with one long eager step; a step without decodes
+    # still takes max_num_batched_tokens of prompts.
+    max_mixed_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_mixed_step_tokens is not None and self.max_mixed_step_tokens < 1:
+            raise ValueError(f"max_mixed_step_tokens must be >= 1 or None, got {self.max_mixed_step_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
@@ -118,18 +129,21 @@ class Scheduler:
                 prefilling.append(r)
             elif num_uncomputed == 1 and not self._finishes_with_placeholders(r):
                 decoding.append(r)
-        for request in decoding + prefilling:
-            if budget == 0:
-                break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
-            new_blocks = self._allocate_or_preempt(request, num_new, num_scheduled, preempted)
-            if new_blocks is None:
-                continue  # the request itself was preempted
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            self._emit(request, new_blocks, new_reqs, cached_reqs)
+        for group in (decoding, prefilling):
+            if group is prefilling:
+                budget = self._prompt_budget(budget, len(num_scheduled))
+            for request in group:
+                if budget == 0:
+                    break
+                if request.status != RequestStatus.RUNNING:
+                    continue  # preempted earlier in this step
+                num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+                new_blocks = self._allocate_or_preempt(request, num_new, num_scheduled, preempted)
+                if new_blocks is None:
+                    continue  # the request itself was preempted
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                self._emit(request, new_blocks, new_reqs, cached_reqs)
 
         # Admit waiting requests, unless this step already had to preempt (no room).
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
@@ -161,6 +175,15 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # it samples in this step
         return output
+
+    def _prompt_budget(self, budget: int, num_decodes: int) -> int:
+        """What a step with ``num_decodes`` decodes may add in prompt tokens. Under the mixed-step
+        bound, a small chunk (``MIN_MIXED_PROMPT_CHUNK``) still fits, so prompts keep flowing when
+        the decodes alone fill the bound."""
+        bound = self.config.max_mixed_step_tokens
+        if bound is None or num_decodes == 0:
+            return budget
+        return min(budget, max(bound - num_decodes, MIN_MIXED_PROMPT_CHUNK))
 
     def _finishes_with_placeholders(self, request: Request) -> bool:
         """Whether the request's tokens in flight take it to its length limit: it finishes once
