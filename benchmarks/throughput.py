@@ -69,6 +69,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--max-output", type=int, default=256)
     w.add_argument("--seed", type=int, default=0, help="seed of the workload's random draws")
     add_engine_arguments(p)
+    sampling = p.add_argument_group("sampling (NovaInfer's side; the peer runs greedy without text)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0, help="0: off")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0)
+    sampling.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (default: none)")
+    sampling.add_argument("--seed-per-request", action="store_true",
+                          help="each request samples from a generator of its own (seed = workload seed + index)")
+    sampling.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=False,
+                          help="produce the text as well (the tokenizer must cover the model's vocabulary: "
+                               "see --tokenizer)")
+    sampling.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     add_output_arguments(p, "throughput_<device>_<model>")
     r = p.add_argument_group("runs")
     r.add_argument("--repeats", type=int, default=3, help="timed runs per side; the median run is reported")
@@ -83,7 +95,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("peer_batch_size", "repeats", "profile_steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.peer != "none" and sampling_settings(args) != sampling_settings(p.parse_args([])):
+        p.error("the peer runs greedy without text: pass --peer none with sampling, logprobs or text flags")
     return args
+
+
+def sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What every NovaInfer request of the run samples with (recorded in the results)."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "repetition_penalty": args.repetition_penalty, "logprobs": args.logprobs,
+            "seed_per_request": args.seed_per_request, "detokenize": args.detokenize}
+
+
+def request_params(args: argparse.Namespace, max_tokens: int, index: int):
+    """One request's parameters: the run's sampling settings, exactly ``max_tokens`` tokens."""
+    from novainfer import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          repetition_penalty=args.repetition_penalty, logprobs=args.logprobs,
+                          seed=args.seed + index if args.seed_per_request else None, ignore_eos=True,
+                          max_tokens=max_tokens, detokenize=args.detokenize)
 
 
 def warmup_requests(workload: Workload, token_budget: int) -> tuple[list[list[int]], list[int]]:
@@ -141,8 +172,9 @@ class NovaInferRunner:
         from novainfer import LLM
 
         self.workload = workload
+        self.args = args
         started = time.perf_counter()
-        self.llm = LLM(model_dir, **engine_kwargs(args))
+        self.llm = LLM(model_dir, **engine_kwargs(args), tokenizer=args.tokenizer)
         self.load_seconds = time.perf_counter() - started
         self.engine = self.llm.llm_engine
         self.dtype = self.engine.model_config.torch_dtype
@@ -154,7 +186,8 @@ class NovaInferRunner:
         return {k: copy.copy(getattr(stats, k)) for k in _STAT_FIELDS}
 
     def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
-        outputs = self.llm.generate(prompts, [greedy_params(n) for n in output_lens], use_tqdm=False)
+        params = [request_params(self.args, n, i) for i, n in enumerate(output_lens)]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def run(self) -> tuple[dict[str, Any], list[list[int]]]:
@@ -573,6 +606,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio_definition": "median-run NovaInfer output tokens/s / median-run peer output tokens/s",
         **facts,
         "workload": workload.describe(),
+        "sampling": sampling_settings(args),
         "novainfer": nova_result,
         "device_memory_after_novainfer_shutdown": memory_left,
         "peer": peer_result,
