@@ -35,8 +35,8 @@ def auth(client: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server():
     keys = [arg for client in CLIENTS for arg in ("--api-key", f"key-of-{client}")]
-    yield from serve([str(tiny_model()), "--served-model-name", "tiny", "--max-num-seqs", "2", "--max-waiting-requests", "2",
-                      "--max-concurrent-requests-per-client", "3", "--retry-after", "2",
+    yield from serve([str(tiny_model()), "--served-model-name", "tiny", "--max-num-seqs", "2",
+                      "--max-waiting-requests", "2", "--max-concurrent-requests-per-client", "3", "--retry-after", "2",
                       "--kv-cache-memory-bytes", str(32 << 20), *keys])
 
 

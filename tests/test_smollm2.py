@@ -90,8 +90,8 @@ def test_served_stream_equals_the_answer_without_streaming(path):
         request = dict(model="smollm2", messages=conversation("What is the capital of Italy?"), temperature=0,
                        max_tokens=MAX_TOKENS)
         whole = client.chat.completions.create(**request)
-        pieces = [chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(**request, stream=True)
-                  if chunk.choices]
+        stream = client.chat.completions.create(**request, stream=True)
+        pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
         assert "".join(pieces) == whole.choices[0].message.content
         assert "Rome" in whole.choices[0].message.content
         assert httpx.get(f"{proc.base_url}/v1/models").json()["data"][0]["id"] == "smollm2"

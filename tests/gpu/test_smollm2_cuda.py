@@ -35,8 +35,8 @@ def hf_model(path, dtype):
 @pytest.fixture(scope="module")
 def prompts(path) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return [list(tokenizer.apply_chat_template(conversation(q), add_generation_prompt=True, return_dict=True)["input_ids"])
-            for q in QUESTIONS]
+    return [list(tokenizer.apply_chat_template(conversation(q), add_generation_prompt=True,
+                                               return_dict=True)["input_ids"]) for q in QUESTIONS]
 
 
 @torch.inference_mode()
