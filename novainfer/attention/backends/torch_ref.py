@@ -58,6 +58,13 @@ def _build_group(metadata: AttentionMetadata, all_query_lens: np.ndarray, all_se
                         key_slots, mask[:, None, None], num_seqs, max_q)
 
 
+@dataclass
+class _TorchPlan:
+    groups: list[_PaddedGroup]
+    # Rows with a KV slot, when some have none (a captured step's padding); None: every row has one.
+    stored_rows: torch.Tensor | None
+
+
 class TorchReferenceBackend(AttentionBackend):
     """Also takes the padding of a captured step, as the Triton backend does: a negative slot stores
     nothing, a sequence without query tokens is skipped, and a token of no sequence gets a zero row.
@@ -67,28 +74,34 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
+        stored_rows = None
         if metadata.query_lens_cpu is None:
             query_lens = np.diff(metadata.query_start_loc.cpu().numpy()).astype(np.int64)
             seq_lens = metadata.seq_lens.cpu().numpy().astype(np.int64)
+            stored_rows = torch.nonzero(metadata.slot_mapping >= 0).flatten()
         else:
             query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
         is_decode = query_lens == 1
         groups = [np.flatnonzero(is_decode), np.flatnonzero(query_lens > 1)]
-        metadata.backend_data = [_build_group(metadata, query_lens, seq_lens, seqs) for seqs in groups if len(seqs)]
+        metadata.backend_data = _TorchPlan(
+            [_build_group(metadata, query_lens, seq_lens, seqs) for seqs in groups if len(seqs)], stored_rows)
 
     def forward(self, query, key, value, k_cache, v_cache, metadata, scale):
         num_kv_heads, head_size = key.shape[1], key.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head_size)
         flat_v = v_cache.view(-1, num_kv_heads, head_size)
-        stored = metadata.slot_mapping >= 0
-        slots = metadata.slot_mapping[stored]
-        flat_k.index_copy_(0, slots, key[stored].to(k_cache.dtype))
-        flat_v.index_copy_(0, slots, value[stored].to(v_cache.dtype))
+        plan: _TorchPlan = metadata.backend_data
+        slots = metadata.slot_mapping
+        if plan.stored_rows is not None:
+            slots, key, value = slots[plan.stored_rows], key[plan.stored_rows], value[plan.stored_rows]
+        flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
+        flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
         num_heads = query.shape[1]
         group_size = num_heads // num_kv_heads
-        out = torch.zeros_like(query)
-        for group in metadata.backend_data:
+        # Padding tokens of a captured step belong to no sequence: their rows stay zero.
+        out = torch.empty_like(query) if plan.stored_rows is None else torch.zeros_like(query)
+        for group in plan.groups:
             keys = flat_k[group.key_slots].float()  # [B, max_ctx, Hkv, D]
             values = flat_v[group.key_slots].float()
             padded_q = query.new_zeros(group.num_seqs * group.max_q, num_heads, head_size, dtype=torch.float32)
