@@ -16,8 +16,9 @@ Two peers (``--peer``):
   length counts as useful output tokens (the extra tokens are the cost of static batching).
 
 Each side is warmed up (not timed) on the same requests shaped like the workload's (see
-``warmup_requests``), then timed ``--repeats`` times; the figures reported are those of the median
-run (all runs are kept in the results file). On CPU the runs alternate between the
+``warmup_requests``; ``--no-warmup`` skips it, so that the first timed run measures a fresh process),
+then timed ``--repeats`` times; the figures reported are those of the median run (all runs are kept
+in the results file, with the first run's rate over the median's). On CPU the runs alternate between the
 two sides (NovaInfer, peer, NovaInfer, ...), so that a burst of other work on a shared machine hits
 both alike; on CUDA all NovaInfer runs come first and its engine (which reserves most of the GPU
 memory for its KV cache) is shut down and its memory released before the peer loads. NovaInfer's
@@ -88,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--peer-batch-size", type=int, default=16, help="--peer generate: requests per static batch")
     r.add_argument("--peer-attn-implementation", default="paged|sdpa",
                    help="--peer continuous-batching: transformers attn_implementation")
+    r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="NovaInfer's warm-up run before the timed ones (--no-warmup: its first timed run is the "
+                        "engine's first work in a fresh process, after what its start-up compiles and captures)")
     r.add_argument("--profile", action="store_true",
                    help="also report NovaInfer's step time split and a profiler table of decode steps")
     r.add_argument("--profile-steps", type=int, default=8, help="decode steps under torch.profiler")
@@ -179,7 +183,8 @@ class NovaInferRunner:
         self.engine = self.llm.llm_engine
         self.dtype = self.engine.model_config.torch_dtype
         self.device = self.engine.config.device
-        self.generate(*warmup_requests(workload, args.max_num_batched_tokens))  # warm-up, not timed
+        if args.warmup:
+            self.generate(*warmup_requests(workload, args.max_num_batched_tokens))  # warm-up, not timed
 
     def _stats(self) -> dict[str, Any]:
         stats = self.engine.get_stats()
@@ -503,6 +508,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rates_ = [r["output_tokens_per_s"] for r in runs]
     return {**median, "repeats": len(runs),
             "output_tokens_per_s_min_median_max": [min(rates_), round(statistics.median(rates_), 2), max(rates_)],
+            "first_run_vs_median": round(rates_[0] / statistics.median(rates_), 4),
             "runs": runs}
 
 

@@ -122,18 +122,24 @@ class Worker:
             graph_pool = self._peak_forward_bytes(graph_tokens) - torch.cuda.memory_allocated(self.device)
         return peak + graph_pool
 
-    def _peak_forward_bytes(self, num_tokens: int) -> int:
-        """Peak bytes allocated while a step of ``num_tokens`` prompt tokens (in sequences of at most
-        ``max_model_len``) runs on a KV cache just large enough, which is then released."""
-        runner = self.model_runner
+    def _prompt_step(self, num_tokens: int) -> tuple[list[SequenceInput], int]:
+        """A step of ``num_tokens`` prompt tokens in sequences of at most ``max_model_len``, on KV blocks
+        numbered from 0, and the number of blocks it needs."""
         max_len = self.config.scheduler_config.max_model_len
         lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        blocks_each = [-(-n // runner.block_size) for n in lengths]
-        runner.allocate_kv_cache(sum(blocks_each))
         seqs, first = [], 0
-        for n, count in zip(lengths, blocks_each):
+        for n in lengths:
+            count = -(-n // self.model_runner.block_size)
             seqs.append(SequenceInput([0] * n, 0, list(range(first, first + count)), "last"))
             first += count
+        return seqs, first
+
+    def _peak_forward_bytes(self, num_tokens: int) -> int:
+        """Peak bytes allocated while a step of ``num_tokens`` prompt tokens runs on a KV cache just
+        large enough, which is then released."""
+        runner = self.model_runner
+        seqs, num_blocks = self._prompt_step(num_tokens)
+        runner.allocate_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         runner.forward(seqs)
         torch.cuda.synchronize(self.device)
@@ -172,6 +178,22 @@ class Worker:
         sched = self.config.scheduler_config
         self.model_runner.reserve_step_buffers(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.model_runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Runs the largest eager step once, so that a workload's first large prefill does not pay for
+        what a first use costs on a GPU: the allocator's growth (profiling returned its memory),
+        library workspaces and kernel modules loaded on first launch. Its K/V go to free blocks,
+        which every request writes before it reads (CUDA only: on CPU there is nothing to warm)."""
+        runner = self.model_runner
+        if self.device.type != "cuda":
+            return
+        sched = self.config.scheduler_config
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * sched.max_model_len)
+        seqs, num_blocks = self._prompt_step(num_tokens)
+        if num_blocks <= runner.num_blocks:
+            runner.forward(seqs)
+            torch.cuda.synchronize(self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput, step_broadcast: StepBroadcast | None = None,
                       pipelined: bool = False) -> list[ModelRunnerOutput] | None:
