@@ -1,0 +1,77 @@
+"""Verification of speculative tokens by rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+A request proposes draft tokens d_1..d_k, drawn from the proposer's distributions q_1..q_k (a
+deterministic proposer, such as n-gram lookup, is the case where q_i is one-hot at d_i). One forward
+pass of the target gives its distributions p_1..p_{k+1} at those positions. Draft i is accepted with
+probability min(1, p_i(d_i) / q_i(d_i)), in order, until one is rejected; at the first rejection a
+token is drawn from the residual max(0, p_i - q_i) (renormalized), and when every draft is accepted
+a bonus token is drawn from p_{k+1}. Every emitted token is then distributed exactly as if the target
+had sampled it alone. A greedy request accepts the drafts that equal the target's argmax, then
+emits the argmax where they first differ (or after the last one).
+
+Randomness comes in from the caller (``uniform`` for the acceptance tests, ``noise`` for the final
+draw), so that the caller decides how a seeded request's random stream is kept reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RejectionSamplerOutput:
+    """Row b emitted ``token_ids[b, :num_tokens[b]]`` (the accepted drafts, then one more token); -1 after."""
+
+    token_ids: torch.Tensor  # [B, k + 1] int64
+    num_tokens: torch.Tensor  # [B] int64, in [1, k + 1]
+    num_accepted: torch.Tensor  # [B] int64: accepted drafts (num_tokens - 1)
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
+                     draft_probs: torch.Tensor | None, greedy_token_ids: torch.Tensor, is_greedy: torch.Tensor,
+                     uniform: torch.Tensor, noise: torch.Tensor) -> RejectionSamplerOutput:
+    """Verifies a batch of drafts.
+
+    ``target_probs`` [B, k + 1, V]: the target's sampling distribution (after temperature, top-k,
+    top-p) at each draft's position and the bonus position; rows of greedy requests are not read.
+    ``draft_token_ids`` [B, k] (entries past ``num_draft_tokens[b]`` are ignored); ``draft_probs``
+    [B, k, V] or None for one-hot proposals; ``greedy_token_ids`` [B, k + 1]: the target's argmax
+    at each position (read for greedy rows only); ``uniform`` [B, k] in [0, 1); ``noise`` [B, V]
+    positive, Exp(1)-distributed (an exponential race picks the final token).
+    """
+    batch, num_positions, vocab = target_probs.shape
+    k = num_positions - 1
+    if draft_token_ids.shape != (batch, k):
+        raise ValueError(f"draft_token_ids must have shape ({batch}, {k}), got {tuple(draft_token_ids.shape)}")
+    rows = torch.arange(batch, device=target_probs.device)
+    valid = torch.arange(k, device=target_probs.device).unsqueeze(0) < num_draft_tokens.unsqueeze(1)
+    drafts = draft_token_ids.clamp(min=0).to(torch.int64)
+    target_of_draft = target_probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    draft_of_draft = 1.0 if draft_probs is None else draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    accept_random = uniform * draft_of_draft < target_of_draft
+    accept_greedy = drafts == greedy_token_ids[:, :k]
+    accept = torch.where(is_greedy.unsqueeze(1), accept_greedy, accept_random) & valid
+    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+    # The emitted token after the accepted drafts: from the residual where a draft was rejected,
+    # else (every draft accepted) from the target's distribution at the bonus position.
+    rejected = num_accepted < num_draft_tokens
+    probs = target_probs[rows, num_accepted]
+    at = num_accepted.clamp(max=max(k - 1, 0))
+    if draft_probs is None:
+        residual = probs.scatter(1, drafts[rows, at].unsqueeze(1), 0.0) if k else probs
+    else:
+        residual = (probs - draft_probs[rows, at]).clamp(min=0.0) if k else probs
+    # A residual of zero mass (p equal to q up to rounding) leaves the target's own distribution.
+    has_mass = residual.sum(dim=1, keepdim=True) > 0
+    probs = torch.where(rejected.unsqueeze(1) & has_mass, residual, probs)
+    sampled = (probs / noise).argmax(dim=1)
+    final = torch.where(is_greedy, greedy_token_ids[rows, num_accepted], sampled)
+
+    positions = torch.arange(num_positions, device=target_probs.device).unsqueeze(0)
+    padded_drafts = torch.cat([drafts, drafts.new_zeros(batch, 1)], dim=1)
+    token_ids = torch.where(positions < num_accepted.unsqueeze(1), padded_drafts, -1)
+    token_ids[rows, num_accepted] = final
+    return RejectionSamplerOutput(token_ids, num_accepted + 1, num_accepted)

@@ -1,0 +1,150 @@
+"""Speculative decoding's parts on their own: configuration, n-gram proposals, rejection sampling.
+
+Oracles: a straightforward per-request loop for the n-gram lookup and the greedy verification, and
+the target distribution itself for rejection sampling (a chi-square test per emitted position).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from novainfer.sample.rejection_sampler import rejection_sample
+from novainfer.spec_decode.config import SpeculativeConfig
+from novainfer.spec_decode.ngram_proposer import propose_ngram
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+def test_config_accepts_vllm_keys():
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                       "prompt_lookup_max": 5})
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 4, 2, 5)
+    draft = SpeculativeConfig.from_dict({"method": "draft_model", "model": "some/dir", "num_speculative_tokens": 3})
+    assert draft.model == "some/dir"
+
+
+@pytest.mark.parametrize("values, named", [
+    ({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}, "lookahead"),
+    ({"method": "medusa", "num_speculative_tokens": 4}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+     "prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
+])
+def test_config_refuses_bad_values_by_name(values, named):
+    with pytest.raises(ValueError, match=named):
+        SpeculativeConfig.from_dict(values)
+
+
+# ---- n-gram proposals ------------------------------------------------------------------------------
+def reference_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # most recent earlier occurrence first
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ngram_proposals_equal_a_per_request_search(seed):
+    rng = random.Random(seed)
+    min_n, max_n, k = rng.choice([(1, 3), (2, 4), (1, 1), (3, 5)]) + (rng.randint(1, 5),)
+    batch = [[rng.randrange(4) for _ in range(rng.randint(1, 40))] for _ in range(64)]
+    batch += [[7] * 5, [1, 2, 3, 1, 2, 3, 1, 2], [5]]  # a run, a cycle, a single token
+    width = max(len(t) for t in batch) + 3
+    ids = torch.full((len(batch), width), 9, dtype=torch.int32)  # padding that matches nothing known
+    for row, tokens in enumerate(batch):
+        ids[row, :len(tokens)] = torch.tensor(tokens)
+    lengths = torch.tensor([len(t) for t in batch])
+    out = propose_ngram(ids, lengths, min_n, max_n, k)
+    for row, tokens in enumerate(batch):
+        want = reference_ngram(tokens, min_n, max_n, k)
+        n = int(out.num_tokens[row])
+        assert out.token_ids[row, :n].tolist() == want, (row, tokens)
+        assert (out.token_ids[row, n:] == -1).all()
+
+
+def test_ngram_prefers_the_longest_match():
+    # "1 2 3" occurred before followed by 8; "3" alone more recently followed by 5.
+    tokens = [1, 2, 3, 8, 3, 5, 1, 2, 3]
+    out = propose_ngram(torch.tensor([tokens]), torch.tensor([len(tokens)]), 1, 3, 2)
+    assert out.token_ids[0].tolist() == [8, 3]
+
+
+# ---- rejection sampling ----------------------------------------------------------------------------
+def _inputs(batch: int, k: int, vocab: int, generator: torch.Generator, one_hot: bool):
+    target = torch.rand(batch, k + 1, vocab, generator=generator) ** 3
+    target /= target.sum(-1, keepdim=True)
+    if one_hot:
+        draft_probs = None
+        drafts = torch.randint(vocab, (batch, k), generator=generator)
+    else:
+        draft_probs = torch.rand(batch, k, vocab, generator=generator) ** 3
+        draft_probs /= draft_probs.sum(-1, keepdim=True)
+        drafts = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=generator).reshape(batch, k)
+    return target, drafts, draft_probs
+
+
+def test_greedy_accepts_exactly_the_argmax_matching_prefix():
+    g = torch.Generator().manual_seed(0)
+    batch, k, vocab = 200, 4, 5
+    target, _, _ = _inputs(batch, k, vocab, g, True)
+    argmax = target.argmax(-1)
+    # Drafts that follow the argmax for a random number of positions, then differ.
+    drafts = argmax[:, :k].clone()
+    cut = torch.randint(0, k + 1, (batch,), generator=g)
+    for b in range(batch):
+        if cut[b] < k:
+            drafts[b, cut[b]] = (drafts[b, cut[b]] + 1) % vocab
+    num_drafts = torch.randint(0, k + 1, (batch,), generator=g)
+    out = rejection_sample(target, drafts, num_drafts, None, argmax, torch.ones(batch, dtype=torch.bool),
+                           torch.rand(batch, k, generator=g), torch.ones(batch, vocab))
+    for b in range(batch):
+        accepted = 0
+        while accepted < num_drafts[b] and drafts[b, accepted] == argmax[b, accepted]:
+            accepted += 1
+        want = drafts[b, :accepted].tolist() + [int(argmax[b, accepted])]
+        assert out.token_ids[b, :len(want)].tolist() == want
+        assert int(out.num_tokens[b]) == len(want) and (out.token_ids[b, len(want):] == -1).all()
+
+
+# Chi-square critical value for 5 degrees of freedom (6 tokens) at 1e-6: a correct sampler fails with
+# probability 1e-6 per position; one that draws from the target instead of the residual after a
+# rejection (or accepts with p instead of min(1, p/q)) is off by far more at this sample size.
+CHI2_DF5_1E6 = 35.9
+
+
+@pytest.mark.parametrize("one_hot", [True, False], ids=["ngram-one-hot", "draft-distribution"])
+def test_emitted_tokens_follow_the_target_distribution(one_hot):
+    g = torch.Generator().manual_seed(1)
+    k, vocab, samples = 3, 6, 60_000
+    target, _, draft_probs = _inputs(1, k, vocab, g, one_hot)
+    target = target.expand(samples, -1, -1).contiguous()
+    if one_hot:  # a fixed guess per position, as a deterministic proposer makes
+        drafts = torch.tensor([[2, 0, 5]]).expand(samples, -1)
+    else:
+        draft_probs = draft_probs.expand(samples, -1, -1).contiguous()
+        drafts = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=g).reshape(samples, k)
+    noise = torch.empty(samples, vocab).exponential_(generator=g)
+    out = rejection_sample(target, drafts, torch.full((samples,), k), draft_probs, target.argmax(-1),
+                           torch.zeros(samples, dtype=torch.bool), torch.rand(samples, k, generator=g), noise)
+    for position in range(k + 1):
+        reached = out.num_tokens > position
+        tokens = out.token_ids[reached, position]
+        observed = torch.bincount(tokens, minlength=vocab).double()
+        expected = target[0, position].double() * reached.sum()
+        chi2 = float(((observed - expected) ** 2 / expected).sum())
+        assert chi2 < CHI2_DF5_1E6, f"position {position}: chi2 {chi2:.1f} over {int(reached.sum())} samples"
+    # Acceptance must also be right: the first draft is accepted with probability sum_x min(p, q).
+    q = torch.nn.functional.one_hot(torch.tensor(2), vocab).double() if one_hot else draft_probs[0, 0].double()
+    rate = float((out.num_accepted >= 1).double().mean())
+    assert abs(rate - float(torch.minimum(target[0, 0].double(), q).sum())) < 0.01
