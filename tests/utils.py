@@ -88,8 +88,9 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
 
 @torch.inference_mode()
 def hf_logits(path: Path, token_ids: list[int], dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
-    """transformers' logits [len, vocab] for one prompt on its own."""
-    return hf_model(path, dtype, device)(torch.tensor([token_ids], device=device)).logits[0].float()
+    """transformers' logits [len, vocab] for one prompt on its own, in float32 or wider."""
+    logits = hf_model(path, dtype, device)(torch.tensor([token_ids], device=device)).logits[0]
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 @torch.inference_mode()
