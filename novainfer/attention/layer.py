@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from novainfer.attention.backends.abstract import AttentionMetadata
+from novainfer.layers.rotary_embedding import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -13,9 +14,13 @@ class Attention(nn.Module):
 
     The model runner binds ``k_cache``/``v_cache`` ([num_blocks, block_size, num_kv_heads, head_size])
     after it has sized the KV cache; until then they are empty.
+
+    With ``rotary_emb``, queries and keys are rotated (RoPE) at the step's positions first, by the
+    backend, which may fuse the rotation into its KV-cache store.
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, prefix: str = "") -> None:
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, prefix: str = "",
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{prefix}: num_heads ({num_heads}) must be a multiple of "
@@ -25,14 +30,22 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.prefix = prefix
+        self.rotary_emb = rotary_emb
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        num_tokens = q.shape[0]
-        out = metadata.backend.forward(
-            q.view(num_tokens, self.num_heads, self.head_size),
-            k.view(num_tokens, self.num_kv_heads, self.head_size),
-            v.view(num_tokens, self.num_kv_heads, self.head_size),
-            self.k_cache, self.v_cache, metadata, self.scale)
-        return out.reshape(num_tokens, self.num_heads * self.head_size)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``q`` [T, Hq * D], ``k``/``v`` [T, Hkv * D] (rows may be strided, e.g. views into a fused QKV
+        output) -> [T, Hq * D]; ``positions`` [T] is needed with a rotary embedding."""
+        num_tokens, head_size = q.shape[0], self.head_size
+        query = q.view(num_tokens, self.num_heads, head_size)
+        key = k.view(num_tokens, self.num_kv_heads, head_size)
+        value = v.view(num_tokens, self.num_kv_heads, head_size)
+        backend = metadata.backend
+        if self.rotary_emb is None:
+            out = backend.forward(query, key, value, self.k_cache, self.v_cache, metadata, self.scale)
+        else:
+            out = backend.forward_rotary(positions, self.rotary_emb, query, key, value, self.k_cache, self.v_cache,
+                                         metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * head_size)

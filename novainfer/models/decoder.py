@@ -63,21 +63,15 @@ class DecoderAttention(nn.Module):
                                           prefix=f"{prefix}.qkv_proj")
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.qkv_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=options.o_proj_bias, params_dtype=dtype, prefix=f"{prefix}.o_proj")
-        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
-                              prefix=f"{prefix}.attn")
+                              prefix=f"{prefix}.attn", rotary_emb=rotary_emb)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, metadata: AttentionMetadata):
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = hidden_states.shape[0]
-        q, k = self.rotary_emb(positions, q.view(num_tokens, self.num_heads, self.head_dim),
-                               k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        out = self.attn(q, k, v, metadata)
-        return self.o_proj(out)
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+        return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
 class GatedMLP(nn.Module):
