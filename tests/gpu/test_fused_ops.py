@@ -83,6 +83,19 @@ def test_rms_norm_float32_weight_promotes_output():
     assert out.dtype == torch.float32
 
 
+def test_norm_and_activation_keep_leading_dims():
+    """[T, hidden] is the model's case (no views); other shapes come back in their own shape."""
+    x = randn(3, 5, 64, dtype=DTYPES[0], seed=6)
+    residual = randn(3, 5, 64, dtype=DTYPES[0], seed=7)
+    weight = randn(64, dtype=DTYPES[0], seed=8)
+    out, summed = rms_norm(x, weight, 1e-6, residual)
+    flat_out, flat_summed = rms_norm(x.view(15, 64), weight, 1e-6, residual.view(15, 64))
+    assert out.shape == summed.shape == x.shape
+    assert torch.equal(out.view(15, 64), flat_out) and torch.equal(summed.view(15, 64), flat_summed)
+    act = silu_and_mul(x)
+    assert act.shape == (3, 5, 32) and torch.equal(act.view(15, 32), silu_and_mul(x.view(15, 64)))
+
+
 @pytest.mark.parametrize("d", [4864, 8960, 100])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_layer(d, dtype):

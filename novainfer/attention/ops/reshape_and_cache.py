@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from novainfer.attention.ops.common import check_kv_cache, unit_last_stride
+from novainfer.layers.ops.common import next_power_of_2
 from novainfer.layers.ops.rotary_embedding import check_rope_operands, rope_angles, rotate_heads
 
 
@@ -63,10 +64,10 @@ def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_c
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), query.stride(0) if rope else 0,
         query.stride(1) if rope else 0, cos_cached.stride(0) if rope else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads, num_q_heads,
-        BLOCK_SIZE=k_cache.shape[1], HEAD_SIZE=head_size, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_PAD=triton.next_power_of_2(head_size), ROPE=rope,
-        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads) if rope else 1,
-        HALF_PAD=triton.next_power_of_2(head_size // 2),
+        BLOCK_SIZE=k_cache.shape[1], HEAD_SIZE=head_size, HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_PAD=next_power_of_2(head_size), ROPE=rope,
+        Q_HEADS_PAD=next_power_of_2(num_q_heads) if rope else 1,
+        HALF_PAD=next_power_of_2(head_size // 2),
         # As tuned for each op alone: the rotation of the query heads is the larger part of a RoPE store.
         num_warps=1 if (num_q_heads * head_size // 2 <= 512 if rope else num_kv_heads * head_size <= 256) else 4)
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from novainfer.layers.ops.common import next_power_of_2
+
 
 @triton.jit
 def rope_angles(positions_ptr, cos_ptr, sin_ptr, token, stride_cos, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
@@ -75,5 +77,5 @@ def rotary_embedding_(positions: torch.Tensor, query: torch.Tensor, key: torch.T
     _rotary_embedding_kernel[(num_tokens,)](
         positions, query, key, cos_cached, sin_cached, query.stride(0), query.stride(1), key.stride(0),
         key.stride(1), cos_cached.stride(0), num_q_heads, key.shape[1], HALF=half,
-        HALF_PAD=triton.next_power_of_2(half), Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
-        K_HEADS_PAD=triton.next_power_of_2(key.shape[1]), num_warps=1 if num_q_heads * half <= 512 else 4)
+        HALF_PAD=next_power_of_2(half), Q_HEADS_PAD=next_power_of_2(num_q_heads),
+        K_HEADS_PAD=next_power_of_2(key.shape[1]), num_warps=1 if num_q_heads * half <= 512 else 4)
