@@ -137,8 +137,6 @@ def run_variant(args, model_dir: str, device, compilation_level: int) -> dict[st
               **profiled}
     if result["device_ms"]:
         result["wall_over_device"] = round(result["wall_ms"] / result["device_ms"], 2)
-    del runner, model, step
-    release_device_memory(device)
     return result
 
 
@@ -153,7 +151,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"model {scrub_path(model_dir)} on {device}; eager decode step of {args.batch_size} sequences after "
           f"{args.context} tokens; compilation_level {levels}", flush=True)
     load_at_start = load_average()
-    rows = [run_variant(args, model_dir, device, level) for level in levels]
+    rows = []
+    for level in levels:
+        rows.append(run_variant(args, model_dir, device, level))
+        release_device_memory(device)  # the variant's model and KV cache are gone with its frame
     print(f"\n{'level':>5} {'first s':>8} {'host ms':>8} {'wall ms':>8} {'device ms':>9} {'wall/dev':>8} "
           f"{'aten/layer':>10} {'launch/layer':>12}")
     for r in rows:

@@ -234,8 +234,8 @@ def paged_step_metadata(backend, query_lens: list[int], context_lens: list[int],
     return metadata, torch.tensor(positions, device=DEVICE), tables.size
 
 
-@pytest.mark.parametrize("query_lens,context_lens", [([1] * 6, [0, 5, 16, 40, 3, 100]), ([1, 9, 1, 20], [7, 0, 60, 13])],
-                         ids=["decode", "mixed"])
+@pytest.mark.parametrize("query_lens,context_lens",
+                         [([1] * 6, [0, 5, 16, 40, 3, 100]), ([1, 9, 1, 20], [7, 0, 60, 13])], ids=["decode", "mixed"])
 def test_triton_backend_runs_rope_in_its_cache_store(query_lens, context_lens):
     """The backend's rotary path gives what rotating first and then running its plain path gives."""
     num_heads, num_kv_heads, head_size, block_size, dtype = 14, 2, 64, 16, DTYPES[0]
