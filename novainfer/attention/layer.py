@@ -1,11 +1,23 @@
-"""The attention layer a model uses: heads in, heads out, the backend does the rest."""
+"""The attention layer a model uses: heads in, heads out, the backend does the rest.
+
+Under ``torch.compile`` the layer is one opaque custom op (``novainfer::attention``), so that
+inductor never traces the paged-attention kernels and their host-side planning. The compiled
+region takes tensors only: the step's metadata and the layers themselves reach the op through
+:func:`attention_context`, set around the compiled call (per thread: tensor-parallel ranks may
+run as threads of one process).
+"""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from novainfer.attention.backends.abstract import AttentionMetadata
+from novainfer.layers.rotary_embedding import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -13,9 +25,13 @@ class Attention(nn.Module):
 
     The model runner binds ``k_cache``/``v_cache`` ([num_blocks, block_size, num_kv_heads, head_size])
     after it has sized the KV cache; until then they are empty.
+
+    With ``rotary_emb``, queries and keys are rotated (RoPE) at the step's positions first, by the
+    backend, which may fuse the rotation into its KV-cache store.
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, prefix: str = "") -> None:
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, prefix: str = "",
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{prefix}: num_heads ({num_heads}) must be a multiple of "
@@ -25,14 +41,56 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.prefix = prefix
+        self.rotary_emb = rotary_emb
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        num_tokens = q.shape[0]
-        out = metadata.backend.forward(
-            q.view(num_tokens, self.num_heads, self.head_size),
-            k.view(num_tokens, self.num_kv_heads, self.head_size),
-            v.view(num_tokens, self.num_kv_heads, self.head_size),
-            self.k_cache, self.v_cache, metadata, self.scale)
-        return out.reshape(num_tokens, self.num_heads * self.head_size)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata | None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``q`` [T, Hq * D], ``k``/``v`` [T, Hkv * D] (rows may be strided, e.g. views into a fused QKV
+        output) -> [T, Hq * D]; ``positions`` [T] is needed with a rotary embedding. ``metadata`` None:
+        inside a compiled forward, through the custom op (see the module docstring)."""
+        if metadata is None:
+            return torch.ops.novainfer.attention(q, k, v, positions, self.prefix)
+        num_tokens, head_size = q.shape[0], self.head_size
+        query = q.view(num_tokens, self.num_heads, head_size)
+        key = k.view(num_tokens, self.num_kv_heads, head_size)
+        value = v.view(num_tokens, self.num_kv_heads, head_size)
+        backend = metadata.backend
+        if self.rotary_emb is None:
+            out = backend.forward(query, key, value, self.k_cache, self.v_cache, metadata, self.scale)
+        else:
+            out = backend.forward_rotary(positions, self.rotary_emb, query, key, value, self.k_cache, self.v_cache,
+                                         metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * head_size)
+
+
+_context = threading.local()
+
+
+@contextmanager
+def attention_context(metadata: AttentionMetadata, layers: Mapping[str, Attention]) -> Iterator[None]:
+    """Makes ``metadata`` and ``layers`` (by prefix) what ``novainfer::attention`` uses in this thread."""
+    previous = getattr(_context, "step", None)
+    _context.step = (metadata, layers)
+    try:
+        yield
+    finally:
+        _context.step = previous
+
+
+# The backend may rotate ``q`` in place (the Triton store does): declared, so that a compiled graph
+# never reads the query rows expecting them unrotated. The KV caches it writes live outside the graph.
+@torch.library.custom_op("novainfer::attention", mutates_args=("q",))
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
+                  layer_name: str) -> torch.Tensor:
+    step = getattr(_context, "step", None)
+    if step is None:
+        raise RuntimeError(f"attention layer {layer_name!r} ran without metadata outside attention_context()")
+    metadata, layers = step
+    return layers[layer_name](q, k, v, metadata, positions)
+
+
+@_attention_op.register_fake
+def _(q, k, v, positions, layer_name):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -35,6 +35,8 @@ class EngineArgs:
     # host's work overlaps the device's. None: on for GPUs (a CPU computes while it schedules).
     async_scheduling: bool | None = None
     attention_backend: str | None = None  # "torch" or "triton"; default: the fastest for the device
+    # 1: torch.compile (inductor) of the model forward for the steps without a CUDA graph; 0: none.
+    compilation_level: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # "uni" (ranks as threads of this process) or "mp"
     tensor_parallel_device_ids: list[int] | None = None  # the GPU of each rank; default 0..tp-1
@@ -57,7 +59,8 @@ class EngineArgs:
         model_config = ModelConfig(model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
                                    max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
                                    max_cudagraph_capture_size=self.max_cudagraph_capture_size,
-                                   attention_backend=self.attention_backend)
+                                   attention_backend=self.attention_backend,
+                                   compilation_level=self.compilation_level)
         cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                                    num_gpu_blocks_override=self.num_gpu_blocks_override,
                                    kv_cache_memory_bytes=self.kv_cache_memory_bytes,
@@ -71,6 +74,9 @@ class EngineArgs:
                                            max_mixed_step_tokens=(self.max_cudagraph_capture_size
                                                                   if device.type == "cuda" and not self.enforce_eager
                                                                   else None))
+        if self.compilation_level and self.tensor_parallel_size > 1:
+            raise ValueError(f"compilation_level {self.compilation_level} needs tensor_parallel_size 1, got "
+                             f"{self.tensor_parallel_size}")
         parallel_config = normalize_parallel_config(ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,

@@ -15,7 +15,9 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused Triton kernel instead of three elementwise passes
+        # One fused Triton kernel instead of three elementwise passes; under torch.compile, inductor
+        # fuses the PyTorch code with its neighbours instead.
+        if x.is_cuda and not torch.compiler.is_compiling():
             from novainfer.layers.ops import silu_and_mul
 
             return silu_and_mul(x)

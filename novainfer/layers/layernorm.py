@@ -30,8 +30,9 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """As :meth:`forward_native`; on CUDA one fused Triton kernel does the add and the norm."""
-        if x.is_cuda:
+        """As :meth:`forward_native`; on CUDA one fused Triton kernel does the add and the norm (under
+        torch.compile, inductor fuses the PyTorch code with its neighbours instead)."""
+        if x.is_cuda and not torch.compiler.is_compiling():
             from novainfer.layers.ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)

@@ -15,12 +15,14 @@ import torch
 from torch import nn
 
 from novainfer.attention import Attention, AttentionMetadata
+from novainfer.attention.layer import attention_context
 from novainfer.distributed import ProcessGroup, get_tp_group, get_vocab_parallel_group
 from novainfer.layers.activation import SiluAndMul
 from novainfer.layers.layernorm import RMSNorm
 from novainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from novainfer.layers.rotary_embedding import RotaryEmbedding
 from novainfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from novainfer.models.compile import CompiledForward
 from novainfer.models.config_utils import get_head_dim, get_rope_scaling, get_rope_theta
 
 
@@ -63,21 +65,15 @@ class DecoderAttention(nn.Module):
                                           prefix=f"{prefix}.qkv_proj")
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.qkv_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=options.o_proj_bias, params_dtype=dtype, prefix=f"{prefix}.o_proj")
-        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
-                              prefix=f"{prefix}.attn")
+                              prefix=f"{prefix}.attn", rotary_emb=rotary_emb)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, metadata: AttentionMetadata):
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = hidden_states.shape[0]
-        q, k = self.rotary_emb(positions, q.view(num_tokens, self.num_heads, self.head_dim),
-                               k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        out = self.attn(q, k, v, metadata)
-        return self.o_proj(out)
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+        return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
 class GatedMLP(nn.Module):
@@ -135,13 +131,29 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, prefix=f"{prefix}.norm")
 
-    def forward(self, input_ids, positions, metadata):
+        # Set by DecoderForCausalLM.compile_forward: the layers below compiled with torch.compile.
+        self.compiled_forward: CompiledForward | None = None
+        self._attention_by_name: dict[str, Attention] = {}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if self.compiled_forward is None:
+            return self.forward_layers(input_ids, positions, metadata)
+        with attention_context(metadata, self._attention_by_name):
+            return self.compiled_forward(input_ids, positions)
+
+    def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       metadata: AttentionMetadata | None = None) -> torch.Tensor:
+        """The forward pass; without ``metadata``, attention takes it from ``attention_context``."""
         hidden_states = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def compile_forward(self, name: str) -> None:
+        self._attention_by_name = {layer.self_attn.attn.prefix: layer.self_attn.attn for layer in self.layers}
+        self.compiled_forward = CompiledForward(self.forward_layers, name)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -183,6 +195,12 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
+
+    def compile_forward(self) -> None:
+        """Runs the decoder through ``torch.compile`` from now on (see :mod:`novainfer.models.compile`)."""
+        if get_tp_group().world_size > 1:
+            raise ValueError("compilation_level 1 needs tensor_parallel_size 1 (collectives are not traced)")
+        self.model.compile_forward(type(self).__name__)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -29,6 +29,7 @@ from novainfer.config import CacheConfig, ModelConfig
 from novainfer.core.sched.output import SchedulerOutput
 from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.model_loader import load_model
+from novainfer.models.compile import compile_model
 from novainfer.sample import Sampler, SamplingMetadata, make_generator
 from novainfer.sample.sampler import LogprobsTensors
 from novainfer.sampling_params import SamplingParams
@@ -209,6 +210,7 @@ class ModelRunner:
     def load_model(self) -> None:
         mc = self.model_config
         self.model = load_model(mc.model, mc.hf_config, mc.torch_dtype, self.device)
+        compile_model(self.model, mc.compilation_level)
         head = getattr(self.model, "lm_head", None)
         self._split_lm_head = head if isinstance(head, ParallelLMHead) and head.tp_size > 1 else None
 

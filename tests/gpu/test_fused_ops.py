@@ -1,4 +1,5 @@
-"""Fused Triton RMSNorm(+residual), SiLU-and-mul and in-place RoPE against the layers' PyTorch code.
+"""Fused Triton RMSNorm(+residual), SiLU-and-mul, in-place RoPE and RoPE fused with the KV-cache store
+against the layers' PyTorch code.
 
 The kernels round where the PyTorch code rounds. A float32 intermediate may still differ in its
 last bits (another reduction order, another exp), which can flip each of the two roundings to the
@@ -11,17 +12,26 @@ dtype. Its outputs can cancel, so RoPE errors are measured against the size of t
 float64 from the same float32 tables (one rounding plus float32 arithmetic), and within
 ``4 * ulp * m`` of the PyTorch path.
 
+The fused RoPE + KV-cache store rounds where the in-place RoPE kernel followed by the plain store
+does, so against that unfused sequence it must be bitwise equal (queries and both caches); against
+the PyTorch path (``forward_native`` then ``index_copy_``, the CPU backend's) it gets the RoPE
+tolerance above. Cache slots of padding rows (slot -1) and every other slot must stay untouched.
+
 On CUDA the layers themselves are called (their ``x.is_cuda`` branch picks the kernel); under the
 Triton interpreter (CPU tensors) the ops are called directly.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from novainfer.attention.backends import AttentionMetadata  # noqa: E402
+from novainfer.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
+from novainfer.attention.ops import reshape_and_cache, rotary_embedding_and_cache  # noqa: E402
 from novainfer.layers.activation import SiluAndMul  # noqa: E402
 from novainfer.layers.layernorm import RMSNorm  # noqa: E402
 from novainfer.layers.ops import rms_norm, rotary_embedding_, silu_and_mul  # noqa: E402
@@ -73,6 +83,19 @@ def test_rms_norm_float32_weight_promotes_output():
     assert out.dtype == torch.float32
 
 
+def test_norm_and_activation_keep_leading_dims():
+    """[T, hidden] is the model's case (no views); other shapes come back in their own shape."""
+    x = randn(3, 5, 64, dtype=DTYPES[0], seed=6)
+    residual = randn(3, 5, 64, dtype=DTYPES[0], seed=7)
+    weight = randn(64, dtype=DTYPES[0], seed=8)
+    out, summed = rms_norm(x, weight, 1e-6, residual)
+    flat_out, flat_summed = rms_norm(x.view(15, 64), weight, 1e-6, residual.view(15, 64))
+    assert out.shape == summed.shape == x.shape
+    assert torch.equal(out.view(15, 64), flat_out) and torch.equal(summed.view(15, 64), flat_summed)
+    act = silu_and_mul(x)
+    assert act.shape == (3, 5, 32) and torch.equal(act.view(15, 32), silu_and_mul(x.view(15, 64)))
+
+
 @pytest.mark.parametrize("d", [4864, 8960, 100])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_layer(d, dtype):
@@ -115,3 +138,123 @@ def test_rope_in_place_on_qkv_views(num_heads, num_kv_heads, head_size, dtype):
         ulp = ULP[dtype]
         assert_within(got, exact.to(dtype), ulp * exact.abs() + 2.0 ** -22 * terms, f"RoPE {name} vs float64")
         assert_within(got, native, 4 * ulp * terms, f"RoPE {name} vs the PyTorch path")
+
+
+def rope_bounds(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):
+    """The exact float64 rotation of ``x`` and the size of its terms (see the module docstring)."""
+    x = x.double()
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin, x.abs() + rotated.abs()
+
+
+def fused_rope_inputs(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
+                      seed: int):
+    """A fused QKV output, positions, slots (every 5th row padding, -1) and caches full of garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 32768, (NUM_TOKENS,), generator=gen)
+    num_blocks = -(-2 * NUM_TOKENS // block_size)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:NUM_TOKENS]
+    slots[::5] = -1
+    qkv = randn(NUM_TOKENS, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=seed + 1, scale=2.0)
+    caches = [randn(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, seed=seed + i, scale=50.0)
+              for i in (2, 3)]
+    return positions.to(DEVICE), slots.to(DEVICE), qkv, caches
+
+
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int):
+    """Strided [T, H, D] views of q, k and v, as the model passes them."""
+    q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
+    return (q.view(NUM_TOKENS, num_heads, head_size), k.view(NUM_TOKENS, num_kv_heads, head_size),
+            v.view(NUM_TOKENS, num_kv_heads, head_size))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(14, 2, 64), (12, 2, 128), (4, 4, 16), (3, 1, 64)])
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_fused_with_kv_cache_store(num_heads, num_kv_heads, head_size, block_size, dtype):
+    rope = RotaryEmbedding(head_size, 32768, 1000000.0).to(DEVICE)
+    positions, slots, qkv, (k_cache, v_cache) = fused_rope_inputs(num_heads, num_kv_heads, head_size, block_size,
+                                                                   dtype, seed=head_size + block_size)
+    original, original_k_cache, original_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+
+    # The unfused sequence: in-place RoPE, then the store.
+    unfused_qkv, unfused_k_cache, unfused_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    uq, uk, uv = split_heads(unfused_qkv, num_heads, num_kv_heads, head_size)
+    rotary_embedding_(positions, uq, uk, rope.cos_cached, rope.sin_cached)
+    reshape_and_cache(uk, uv, unfused_k_cache, unfused_v_cache, slots)
+
+    q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_size)
+    rotary_embedding_and_cache(positions, q, k, v, k_cache, v_cache, slots, rope.cos_cached, rope.sin_cached)
+    assert torch.equal(q, uq), "queries differ from the unfused RoPE"
+    assert torch.equal(k_cache, unfused_k_cache), "key cache differs from RoPE followed by the store"
+    assert torch.equal(v_cache, unfused_v_cache), "value cache differs from the plain store"
+    assert torch.equal(qkv[:, num_heads * head_size:], original[:, num_heads * head_size:]), \
+        "the fused op must leave the key and value rows of the QKV output as they are"
+
+    # The PyTorch path, as the CPU backend runs it.
+    oq, ok, ov = split_heads(original, num_heads, num_kv_heads, head_size)
+    native_q, native_k = rope.forward_native(positions, oq, ok)
+    stored = slots >= 0
+    flat_k = k_cache.view(-1, num_kv_heads, head_size)
+    flat_v = v_cache.view(-1, num_kv_heads, head_size)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[stored]] = False
+    assert torch.equal(flat_k[untouched], original_k_cache.view_as(flat_k)[untouched]), "a slot not written changed"
+    assert torch.equal(flat_v[untouched], original_v_cache.view_as(flat_v)[untouched]), "a slot not written changed"
+    assert torch.equal(flat_v[slots[stored]], ov[stored]), "values must be stored exactly"
+
+    cos = rope.cos_cached[positions].double().unsqueeze(1)
+    sin = rope.sin_cached[positions].double().unsqueeze(1)
+    ulp = ULP[dtype]
+    for got, native, x, name in ((q, native_q, oq, "q"),
+                                 (flat_k[slots[stored]], native_k[stored], ok[stored], "cached k")):
+        rows = slice(None) if name == "q" else stored
+        exact, terms = rope_bounds(x, cos[rows], sin[rows], dtype)
+        assert_within(got, exact.to(dtype), ulp * exact.abs() + 2.0 ** -22 * terms, f"fused RoPE {name} vs float64")
+        assert_within(got, native, 4 * ulp * terms, f"fused RoPE {name} vs the PyTorch path")
+
+
+def paged_step_metadata(backend, query_lens: list[int], context_lens: list[int], block_size: int):
+    """Metadata of a step whose sequences own consecutive cache blocks; returns it and its slots."""
+    seq_lens = np.array(context_lens) + np.array(query_lens)
+    blocks_each = -(-seq_lens.max() // block_size)
+    tables = np.arange(len(query_lens) * blocks_each, dtype=np.int32).reshape(len(query_lens), blocks_each)
+    positions = np.concatenate([np.arange(c, c + q) for c, q in zip(context_lens, query_lens)])
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    metadata = AttentionMetadata(
+        num_tokens=len(positions), num_seqs=len(query_lens), block_size=block_size,
+        max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+        query_start_loc=torch.tensor(np.concatenate(([0], np.cumsum(query_lens))), dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor(tables, device=DEVICE), slot_mapping=torch.tensor(slots, device=DEVICE),
+        query_lens_cpu=np.array(query_lens), seq_lens_cpu=seq_lens, backend=backend)
+    backend.prepare(metadata)
+    return metadata, torch.tensor(positions, device=DEVICE), tables.size
+
+
+@pytest.mark.parametrize("query_lens,context_lens",
+                         [([1] * 6, [0, 5, 16, 40, 3, 100]), ([1, 9, 1, 20], [7, 0, 60, 13])], ids=["decode", "mixed"])
+def test_triton_backend_runs_rope_in_its_cache_store(query_lens, context_lens):
+    """The backend's rotary path gives what rotating first and then running its plain path gives."""
+    num_heads, num_kv_heads, head_size, block_size, dtype = 14, 2, 64, 16, DTYPES[0]
+    backend = TritonAttentionBackend()
+    metadata, positions, num_blocks = paged_step_metadata(backend, query_lens, context_lens, block_size)
+    num_tokens = positions.shape[0]
+    rope = RotaryEmbedding(head_size, 4096, 1000000.0).to(DEVICE)
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=11)
+    cache = randn(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, seed=12)
+    results = []
+    for fused in (True, False):
+        q, k, v = qkv.clone().split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
+        q, k, v = (x.view(num_tokens, -1, head_size) for x in (q, k, v))
+        k_cache, v_cache = cache.clone(), cache.clone()
+        if fused:
+            out = backend.forward_rotary(positions, rope, q, k, v, k_cache, v_cache, metadata, head_size ** -0.5)
+        else:
+            rotary_embedding_(positions, q, k, rope.cos_cached, rope.sin_cached)
+            out = backend.forward(q, k, v, k_cache, v_cache, metadata, head_size ** -0.5)
+        results.append((out, k_cache, v_cache))
+    for got, expected, name in zip(results[0], results[1], ("output", "key cache", "value cache")):
+        assert torch.equal(got, expected), f"{name} differs between the fused and the unfused RoPE"

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from novainfer.layers.rotary_embedding import RotaryEmbedding
 
 
 @dataclass
@@ -49,3 +52,12 @@ class AttentionBackend(ABC):
                 v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         """Stores ``key``/``value`` [T, Hkv, D] into the caches at ``slot_mapping``, then attends
         ``query`` [T, Hq, D] causally over each sequence's cached context. Returns [T, Hq, D]."""
+
+    def forward_rotary(self, positions: torch.Tensor, rotary_emb: RotaryEmbedding, query: torch.Tensor,
+                       key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """As :meth:`forward`, with ``query`` and ``key`` first rotated by ``rotary_emb`` at ``positions``
+        [T] (RoPE). ``query`` and ``key`` may be rotated in place. A backend may fuse the rotation into
+        its KV-cache store; this one rotates, then runs :meth:`forward`."""
+        query, key = rotary_emb(positions, query, key)
+        return self.forward(query, key, value, k_cache, v_cache, metadata, scale)

@@ -30,7 +30,7 @@ import torch
 
 from novainfer.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from novainfer.attention.ops import (choose_num_splits, decode_attention, decode_workspace_shape, prefill_attention,
-                                     reshape_and_cache)
+                                     reshape_and_cache, rotary_embedding_and_cache)
 
 # The Triton interpreter (CPU tensors) has no SM count; any small number exercises the same paths.
 _INTERPRETER_SMS = 8
@@ -45,22 +45,33 @@ def _num_sms(device: torch.device) -> int:
 
 @dataclass
 class TritonAttentionPlan:
-    """What one step's layers share: which kernels run, and the split-K workspace."""
+    """What one step's layers share: which kernels run, and how the decode kernel splits its work."""
 
     decode_only: bool
     num_decodes: int  # sequences with one query token (the split-K decode kernel's)
     has_prefills: bool  # sequences with more than one query token (the prefill kernel's)
     decode_max_seq_len: int  # bound on the decodes' context lengths (picks the number of splits)
-    workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (num_kv_heads, head_size, num_heads) -> (num_splits, split-K workspace or None), decided by the
+    # step's first layer and reused by the others.
+    decode_splits: dict[tuple[int, int, int], tuple[int, tuple[torch.Tensor, torch.Tensor] | None]] = \
+        field(default_factory=dict)
 
-    def split_workspace(self, num_seqs: int, num_heads: int, head_size: int, num_splits: int,
-                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (num_seqs, num_heads, head_size, num_splits, device)
-        if key not in self.workspace:
-            out_shape, lse_shape = decode_workspace_shape(num_seqs, num_heads, head_size, num_splits)
-            self.workspace[key] = (torch.empty(out_shape, dtype=torch.float32, device=device),
-                                   torch.empty(lse_shape, dtype=torch.float32, device=device))
-        return self.workspace[key]
+    def decode_launch(self, num_seqs: int, num_heads: int, k_cache: torch.Tensor):
+        """The number of decode splits and the workspace they need, for layers of this cache shape."""
+        num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
+        key = (num_kv_heads, head_size, num_heads)
+        launch = self.decode_splits.get(key)
+        if launch is None:
+            device = k_cache.device
+            num_splits = choose_num_splits(self.num_decodes, num_kv_heads, head_size, self.decode_max_seq_len,
+                                           _num_sms(device))
+            workspace = None
+            if num_splits > 1:
+                out_shape, lse_shape = decode_workspace_shape(num_seqs, num_heads, head_size, num_splits)
+                workspace = (torch.empty(out_shape, dtype=torch.float32, device=device),
+                             torch.empty(lse_shape, dtype=torch.float32, device=device))
+            launch = self.decode_splits[key] = (num_splits, workspace)
+        return launch
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -68,7 +79,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     A decode-only step is one store and one decode launch (plus a reduce when split). A step that
     holds prompt chunks runs the prefill kernel over the sequences with more than one query and,
-    if some sequences decode, the decode kernel over those.
+    if some sequences decode, the decode kernel over those. With RoPE (:meth:`forward_rotary`) the
+    rotation is part of the store: one kernel rotates the queries in place and stores rotated keys.
     """
 
     name = "triton"
@@ -76,6 +88,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         if metadata.max_query_len == 1:
+            if metadata.num_tokens != metadata.num_seqs:
+                raise ValueError(f"a decode-only step needs one token per sequence, got {metadata.num_tokens} "
+                                 f"tokens for num_seqs={metadata.num_seqs}")
             plan = TritonAttentionPlan(True, metadata.num_seqs, False, metadata.max_seq_len)
         elif metadata.query_lens_cpu is None:  # a captured mixed step: any mix of its sequences
             plan = TritonAttentionPlan(False, metadata.num_seqs, True, metadata.max_seq_len)
@@ -87,22 +102,24 @@ class TritonAttentionBackend(AttentionBackend):
         metadata.backend_data = plan
 
     def forward(self, query, key, value, k_cache, v_cache, metadata, scale):
-        plan: TritonAttentionPlan = metadata.backend_data
-        num_tokens, num_heads, head_size = query.shape
-        if plan.decode_only and num_tokens != metadata.num_seqs:
-            raise ValueError(f"a decode-only step needs one token per sequence, got {num_tokens} tokens for "
-                             f"num_seqs={metadata.num_seqs}")
         reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        return self._attend(query, k_cache, v_cache, metadata, scale)
+
+    def forward_rotary(self, positions, rotary_emb, query, key, value, k_cache, v_cache, metadata, scale):
+        rotary_embedding_and_cache(positions, query, key, value, k_cache, v_cache, metadata.slot_mapping,
+                                   rotary_emb.cos_cached, rotary_emb.sin_cached)
+        return self._attend(query, k_cache, v_cache, metadata, scale)
+
+    @staticmethod
+    def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        plan: TritonAttentionPlan = metadata.backend_data
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if plan.has_prefills:
             prefill_attention(query, k_cache, v_cache, out, metadata.query_start_loc, metadata.seq_lens,
                               metadata.block_tables, scale, skip_decodes=plan.num_decodes > 0)
         if plan.num_decodes:
-            num_splits = choose_num_splits(plan.num_decodes, k_cache.shape[2], head_size, plan.decode_max_seq_len,
-                                           _num_sms(query.device))
-            workspace = None
-            if num_splits > 1:
-                workspace = plan.split_workspace(metadata.num_seqs, num_heads, head_size, num_splits, query.device)
+            num_splits, workspace = plan.decode_launch(metadata.num_seqs, query.shape[1], k_cache)
             decode_attention(query, k_cache, v_cache, out, metadata.seq_lens, metadata.block_tables, scale,
                              num_splits, query_start_loc=None if plan.decode_only else metadata.query_start_loc,
                              workspace=workspace)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import torch
-import triton
+
+from novainfer.layers.ops.common import next_power_of_2
 
 LOG2E = 1.4426950408889634
 
 
 def head_pad(head_size: int) -> int:
     """The head dimension a kernel tile uses: a power of two, at least 16 (the smallest dot operand)."""
-    return max(16, triton.next_power_of_2(head_size))
+    return max(16, next_power_of_2(head_size))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -23,6 +23,7 @@ import triton.language as tl
 from novainfer.attention.ops.common import (check_kv_cache, check_out, dot_precision, head_pad, queries_per_kv,
                                            scale_log2, unit_last_stride)
 from novainfer.attention.ops.paged_tile import attend_paged_tile
+from novainfer.layers.ops.common import cdiv, next_power_of_2
 
 MAX_SPLITS = 64
 # Programs per SM the split count aims for: on an H200 (132 SMs) about 512 programs in all was
@@ -51,7 +52,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, head_size: int, max_seq_
     """
     programs = max(1, num_seqs * num_kv_heads)
     wanted = PROGRAMS_PER_SM * num_sms // programs
-    longest_useful = triton.cdiv(max(max_seq_len, 1), decode_tile_config(head_size).block_n)
+    longest_useful = cdiv(max(max_seq_len, 1), decode_tile_config(head_size).block_n)
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
@@ -179,7 +180,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qsl, scale_log2(scale),
         num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, QUERIES_PER_KV=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        NUM_HEADS=num_heads, QUERIES_PER_KV=group, GROUP_PAD=max(16, next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad(head_size),
         SPLIT_K=num_splits > 1, DECODE_ONLY=decode_only, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages)
@@ -187,4 +188,4 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         _reduce_splits_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, qsl, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad(head_size),
-            SPLITS_PAD=triton.next_power_of_2(num_splits), DECODE_ONLY=decode_only, num_warps=1)
+            SPLITS_PAD=next_power_of_2(num_splits), DECODE_ONLY=decode_only, num_warps=1)

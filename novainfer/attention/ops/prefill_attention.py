@@ -24,6 +24,7 @@ import triton.language as tl
 from novainfer.attention.ops.common import (check_kv_cache, check_out, dot_precision, head_pad, queries_per_kv,
                                            scale_log2, unit_last_stride)
 from novainfer.attention.ops.paged_tile import attend_paged_tile
+from novainfer.layers.ops.common import next_power_of_2
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     query = unit_last_stride(query)
     group = queries_per_kv(num_heads, num_kv_heads)
     config = config or prefill_tile_config(head_size)
-    block_m = max(config.block_m, triton.next_power_of_2(group))
+    block_m = max(config.block_m, next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_attention_kernel[grid](

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from novainfer.layers.ops.common import cdiv, next_power_of_2
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
@@ -23,12 +25,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x`` [..., 2d] with a contiguous last dim -> [..., d]."""
     d = x.shape[-1] // 2
-    x2d = x.reshape(-1, 2 * d)
+    x2d = x if x.dim() == 2 else x.reshape(-1, 2 * d)  # no view op for the model's [T, 2d] activations
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     out = torch.empty(x2d.shape[0], d, dtype=x.dtype, device=x.device)
     if x2d.shape[0] and d:
-        block = min(1024, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(x2d.shape[0], triton.cdiv(d, block))](
+        block = min(1024, next_power_of_2(d))
+        _silu_and_mul_kernel[(x2d.shape[0], cdiv(d, block))](
             x2d, out, x2d.stride(0), out.stride(0), d, BLOCK=block, num_warps=4 if block >= 512 else 1)
-    return out.view(*x.shape[:-1], d)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], d)

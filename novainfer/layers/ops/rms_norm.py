@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from novainfer.layers.ops.common import next_power_of_2
+
 
 @triton.jit(do_not_specialize=["eps"])
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, stride_x, stride_residual,
@@ -35,23 +37,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     promotion of ``weight`` and ``x`` (as for the unfused product).
     """
     hidden_size = x.shape[-1]
-    x2d = x.reshape(-1, hidden_size)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
+    x2d = _rows(x, hidden_size)
     num_rows = x2d.shape[0]
-    out = torch.empty(x2d.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
     residual_out = residual2d = None
     if residual is not None:
-        residual2d = residual.reshape(-1, hidden_size)
-        if residual2d.stride(-1) != 1:
-            residual2d = residual2d.contiguous()
-        residual_out = torch.empty_like(x2d)
+        residual2d = _rows(residual, hidden_size)
+        residual_out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
     if num_rows:
-        block = triton.next_power_of_2(hidden_size)
+        block = next_power_of_2(hidden_size)
         _rms_norm_kernel[(num_rows,)](
             x2d, residual2d, weight, out, residual_out, x2d.stride(0),
             0 if residual2d is None else residual2d.stride(0), out.stride(0),
             0 if residual_out is None else residual_out.stride(0), hidden_size, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
-    out = out.view(x.shape)
-    return out if residual is None else (out, residual_out.view(x.shape))
+    if x.dim() != 2:  # the model's activations are [T, hidden] already: no view ops per layer for them
+        out, residual_out = out.view(x.shape), None if residual_out is None else residual_out.view(x.shape)
+    return out if residual is None else (out, residual_out)
+
+
+def _rows(x: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """``x`` as [rows, hidden] with a contiguous last dim (``x`` itself when it already is)."""
+    x2d = x if x.dim() == 2 else x.reshape(-1, hidden_size)
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()

@@ -1,0 +1,18 @@
+"""benchmarks/step_time.py on the tiny model (CPU): it runs an eager decode step and records its figures."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import step_time
+
+
+def test_step_time_records_host_time_and_op_counts(tmp_path):
+    results = step_time.main(["--batch-size", "4", "--context", "9", "--warmup", "1", "--steps", "2",
+                              "--profile-steps", "1", "--compile", "off", "--results-dir", str(tmp_path)])
+    (row,) = results["variants"]
+    assert row["compilation_level"] == 0 and row["compilations"] == 0
+    assert 0 < row["host_ms"] <= row["wall_ms"]
+    assert row["aten_ops"] > 0 and row["device_ms"] is None  # no kernel times on a CPU
+    assert results["workload"]["batch_size"] == 4
+    assert json.loads((tmp_path / "step_time_cpu_tiny_b4.json").read_text())["variants"] == [row]
