@@ -83,11 +83,9 @@ def test_every_sampling_feature_matches_the_synchronous_engine(engines, vocab_si
         assert completions(pipelined.generate(prompts, params, use_tqdm=False)) == expected
     finally:
         del pipelined.llm_engine.executor.execute_model
-    # Steps are left in flight, except those with penalties, fetched at once, and the last one.
-    if penalties:
-        assert 5 <= sum(steps) < len(steps) - 5, steps
-    else:
-        assert sum(steps) == len(steps) - 1, steps
+    # Every step is left in flight (penalties included: their counts are kept on the device),
+    # except the last one.
+    assert sum(steps) == len(steps) - 1, steps
     assert pipelined.llm_engine.kv_cache_manager.usage == 0.0
     assert not pipelined.llm_engine.has_unfinished_requests()
 
