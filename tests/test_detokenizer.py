@@ -180,3 +180,11 @@ def test_streaming_decoder_agrees_with_windows_on_random_ids(tokenizer, seed, sk
     assert fast_deltas == slow_deltas
     full = tokenizer.decode(ids, skip_special_tokens=skip)
     assert full.startswith(fast.text) and set(full[len(fast.text):]) <= {"\ufffd"}
+
+
+def test_token_texts_are_single_token_decodes(tokenizer):
+    from novainfer.engine.detokenizer import TokenTexts
+
+    texts = TokenTexts(tokenizer)
+    ids = tokenizer.encode(" ".join(TEXTS.values())) * 2  # every id asked for twice: the second from the cache
+    assert [texts(i) for i in ids] == [tokenizer.decode([i]) for i in ids]

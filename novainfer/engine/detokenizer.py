@@ -133,3 +133,18 @@ def _decode_stream(backend: Any, context: list[int], skip_special_tokens: bool) 
         return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
     except TypeError:
         return None
+
+
+class TokenTexts:
+    """The text of single tokens (the alternatives of logprobs), decoded once per token id: a
+    step with logprobs asks for several per request, mostly of tokens seen before."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text

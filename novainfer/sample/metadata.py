@@ -39,14 +39,16 @@ class SamplingMetadata:
     noise_keys: torch.Tensor | None
     is_seeded: torch.Tensor | None  # [B] bool; None when no random row is seeded
     all_random_seeded: bool  # every random row draws counter-based noise (no global draw needed)
-    presence_penalties: torch.Tensor  # [B] float32
-    frequency_penalties: torch.Tensor  # [B] float32
-    repetition_penalties: torch.Tensor  # [B] float32
+    # [B] float32; None when no row of the step has that penalty (the stage is skipped).
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor  # [B] float32 (read only where seen_token_mask is set)
     no_penalties: bool
-    # [B, V] int32 occurrences of each token in the output; None when no_penalties.
+    # [B, V] int32 occurrences of each token in the output; None when no row has a frequency or
+    # presence penalty.
     output_token_counts: torch.Tensor | None
-    # [B, V] bool, token occurs in the prompt; None when no row has repetition_penalty != 1.
-    prompt_token_mask: torch.Tensor | None
+    # [B, V] bool, token occurs in the prompt or the output; None when no row has a repetition penalty.
+    seen_token_mask: torch.Tensor | None
     # [B, V] bool: stop tokens forbidden because the row has produced fewer than min_tokens
     # tokens; None when no row of the step is below its min_tokens.
     min_tokens_mask: torch.Tensor | None

@@ -59,17 +59,17 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Repetition (prompt + output tokens), then frequency and presence (output tokens)."""
-    counts = metadata.output_token_counts
-    if counts is None:
-        return logits
-    in_output = counts > 0
-    if metadata.prompt_token_mask is not None:
+    if metadata.seen_token_mask is not None:
         penalty = metadata.repetition_penalties.unsqueeze(1)
         # Dividing positive and multiplying negative logits both make the token less likely.
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(in_output | metadata.prompt_token_mask, penalized, logits)
-    logits = logits - metadata.frequency_penalties.unsqueeze(1) * counts.to(logits.dtype)
-    return logits - metadata.presence_penalties.unsqueeze(1) * in_output.to(logits.dtype)
+        logits = torch.where(metadata.seen_token_mask, penalized, logits)
+    counts = metadata.output_token_counts
+    if metadata.frequency_penalties is not None:
+        logits = logits - metadata.frequency_penalties.unsqueeze(1) * counts.to(logits.dtype)
+    if metadata.presence_penalties is not None:
+        logits = logits - metadata.presence_penalties.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def mask_sorted_top_k_top_p(
@@ -190,14 +190,16 @@ class Sampler(nn.Module):
 
         # Greedy rows go through the random path too (its result is discarded for them); their
         # temperature is 1, so they are free of division by zero.
-        logits = logits / metadata.temperature.unsqueeze(1)
+        temperature = metadata.temperature.unsqueeze(1)
         top_p = None if metadata.no_top_p else metadata.top_p
         if metadata.max_top_k is not None:
             # Every random row keeps at most max_top_k tokens: sample among those candidates
-            # (sorted, as top-p needs) rather than sorting the whole vocabulary.
+            # (sorted, as top-p needs) rather than sorting the whole vocabulary. A temperature
+            # keeps a row's order, so it only needs to scale the candidates.
             logits, token_ids = logits.topk(min(metadata.max_top_k, logits.shape[-1]), dim=-1)
-            logits = mask_sorted_top_k_top_p(logits, metadata.top_k, top_p)
+            logits = mask_sorted_top_k_top_p(logits / temperature, metadata.top_k, top_p)
         else:
+            logits = logits / temperature
             token_ids = torch.arange(logits.shape[-1], device=logits.device)
             if not (metadata.no_top_k and top_p is None):
                 logits = apply_top_k_top_p(logits, None if metadata.no_top_k else metadata.top_k, top_p)

@@ -3,7 +3,8 @@
 Each running request owns a row (the model runner uses the row of its block table). What sampling
 needs of a request lives in that row on the device: its parameters (temperature, top-k, top-p,
 min-p, penalties, seed lanes, min_tokens), and where it uses them, the counts of the tokens it
-generated, the set of its prompt's tokens (repetition penalty) and its stop tokens (min_tokens).
+generated (frequency and presence penalties), the set of tokens in its prompt or output
+(repetition penalty) and its stop tokens (min_tokens).
 A row is written once, when its request joins (or resumes after preemption), in one packed
 non-blocking copy from pinned memory; afterwards the only host-to-device traffic of a step is the
 step's row indices and output positions, and the output counts are updated on the device from the
@@ -12,10 +13,11 @@ sampled tokens. A step therefore never waits for the device, whatever its sampli
 The host keeps a numpy mirror of the per-row flags, so that which stages a step needs (any top-k?
 any penalty? below min_tokens?) is decided without reading the device.
 
-Memory: the parameters take 80 bytes a row. The vocabulary-wide tables are allocated on first use,
-for every row: output counts (int32) and the prompt-token mask (bool) once some request has
-penalties, and the stop-token mask (bool) once some request has min_tokens: 6 bytes per row and
-vocabulary entry at most, e.g. 0.9 MB a row for Qwen2's 151,936 entries (236 MB for 256 rows).
+Memory: the parameters take 96 bytes a row. The vocabulary-wide tables are allocated on first use,
+for every row: output counts (int32) once some request has a frequency or presence penalty, the
+seen-token mask (bool) once some request has a repetition penalty, and the stop-token mask (bool)
+once some request has min_tokens: 6 bytes per row and vocabulary entry at most, e.g. 0.9 MB a row
+for Qwen2's 151,936 entries (233 MB for 256 rows, 933 MB for 1,024).
 """
 
 from __future__ import annotations
@@ -37,22 +39,22 @@ _ALIGN = 8
 
 
 def copy_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """The arrays on ``device``, in one non-blocking copy from one pinned buffer (CUDA), or as
-    tensors sharing the arrays' memory (CPU). The caching host allocator keeps the pinned buffer
-    from being reused before the copy has read it."""
+    """The arrays on ``device``, packed into one (pinned, on CUDA) host buffer and sent in one
+    non-blocking copy; typed views of the copy are returned. The caching host allocator keeps the
+    pinned buffer from being reused before the copy has read it. On CPU the views are of the
+    packed buffer itself (the same packing runs)."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
-    if device.type != "cuda":
-        return [torch.from_numpy(a) for a in arrays]
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)
         total += -(-a.nbytes // _ALIGN) * _ALIGN
-    host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=True)
+    on_cuda = device.type == "cuda"
+    host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=on_cuda)
     host_np = host.numpy()
     for a, offset in zip(arrays, offsets):
         host_np[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
-    on_device = host.to(device, non_blocking=True)
-    return [on_device[offset:offset + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
+    packed = host.to(device, non_blocking=True) if on_cuda else host
+    return [packed[offset:offset + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
             for a, offset in zip(arrays, offsets)]
 
 
@@ -76,17 +78,17 @@ class SamplingStateTable:
         self._top_k = np.zeros(0, dtype=np.int64)
         self._top_p = np.zeros(0, dtype=np.float32)
         self._min_p = np.zeros(0, dtype=np.float32)
-        self._penalized = np.zeros(0, dtype=bool)
         self._repetition = np.zeros(0, dtype=bool)
+        self._frequency = np.zeros(0, dtype=bool)
+        self._presence = np.zeros(0, dtype=bool)
         self._min_tokens = np.zeros(0, dtype=np.int64)  # 0 for rows without stop tokens to block
         self._logprobs = np.zeros(0, dtype=np.int64)  # -1: none asked
         self.float_params = torch.zeros(0, _NUM_FLOAT, dtype=torch.float32, device=device)
         self.int_params = torch.zeros(0, _NUM_INT, dtype=torch.int64, device=device)
         # Vocabulary-wide tables, allocated on first use.
         self.output_counts: torch.Tensor | None = None  # [rows, V] int32
-        self.prompt_mask: torch.Tensor | None = None  # [rows, V] bool
+        self.seen_mask: torch.Tensor | None = None  # [rows, V] bool: in the prompt or the output
         self.stop_mask: torch.Tensor | None = None  # [rows, V] bool
-        self.vocab_ids = torch.arange(vocab_size, device=device)
         self.ensure_rows(num_rows)
 
     # ---- rows --------------------------------------------------------------------------------
@@ -104,11 +106,12 @@ class SamplingStateTable:
         self._greedy, self._seeded = grown_np(self._greedy, True), grown_np(self._seeded, False)
         self._top_k, self._top_p = grown_np(self._top_k, self.vocab_size), grown_np(self._top_p, 1.0)
         self._min_p = grown_np(self._min_p, 0.0)
-        self._penalized, self._repetition = grown_np(self._penalized, False), grown_np(self._repetition, False)
+        self._repetition = grown_np(self._repetition, False)
+        self._frequency, self._presence = grown_np(self._frequency, False), grown_np(self._presence, False)
         self._min_tokens, self._logprobs = grown_np(self._min_tokens, 0), grown_np(self._logprobs, -1)
         self.float_params = self._grown(self.float_params, new)
         self.int_params = self._grown(self.int_params, new)
-        for name in ("output_counts", "prompt_mask", "stop_mask"):
+        for name in ("output_counts", "seen_mask", "stop_mask"):
             table = getattr(self, name)
             if table is not None:
                 setattr(self, name, self._grown(table, new))
@@ -129,7 +132,7 @@ class SamplingStateTable:
     def add_requests(self, rows: Sequence[int], params: Sequence[SamplingParams],
                      prompt_token_ids: Sequence[Sequence[int]], output_token_ids: Sequence[Sequence[int]]) -> None:
         """Writes the rows of requests that join (or resume): parameters, and where they are used,
-        the output counts, the prompt mask and the stop mask, in one copy. Token ids must be in
+        the output counts, the seen-token mask and the stop mask, in one copy. Token ids must be in
         [0, vocab_size)."""
         if not rows:
             return
@@ -137,8 +140,8 @@ class SamplingStateTable:
         self.ensure_rows(max(rows) + 1)
         floats = np.empty((n, _NUM_FLOAT), dtype=np.float32)
         ints = np.empty((n, _NUM_INT), dtype=np.int64)
-        penalized, repetition, blocking = [], [], []
-        count_index, prompt_index, stop_index = [], [], []
+        counted, repetition, blocking = [], [], []
+        count_index, seen_index, stop_index = [], [], []
         for i, (row, p, prompt, output) in enumerate(zip(rows, params, prompt_token_ids, output_token_ids)):
             greedy = p.is_greedy
             seeded = p.seed is not None and not greedy
@@ -150,16 +153,17 @@ class SamplingStateTable:
             stops = [t for t in p.all_stop_token_ids if t < vocab] if p.min_tokens else []
             self._greedy[row], self._seeded[row], self._top_k[row] = greedy, seeded, top_k
             self._top_p[row], self._min_p[row] = p.top_p, p.min_p
-            self._penalized[row], self._repetition[row] = p.has_penalties, p.repetition_penalty != 1.0
+            self._repetition[row] = p.repetition_penalty != 1.0
+            self._frequency[row], self._presence[row] = p.frequency_penalty != 0.0, p.presence_penalty != 0.0
             self._min_tokens[row] = p.min_tokens if stops else 0
             self._logprobs[row] = -1 if p.logprobs is None else p.logprobs
             base = row * vocab
-            if p.has_penalties:
-                penalized.append(row)
+            if self._frequency[row] or self._presence[row]:
+                counted.append(row)
                 count_index.append(base + np.asarray(output, dtype=np.int64))
-            if p.repetition_penalty != 1.0:
+            if self._repetition[row]:
                 repetition.append(row)
-                prompt_index.append(base + np.asarray(prompt, dtype=np.int64))
+                seen_index.append(base + np.asarray([*prompt, *output], dtype=np.int64))
             if stops:
                 blocking.append(row)
                 stop_index.append(base + np.asarray(stops, dtype=np.int64))
@@ -167,19 +171,19 @@ class SamplingStateTable:
         def flat(parts: list[np.ndarray]) -> np.ndarray:
             return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-        (rows_d, floats_d, ints_d, penalized_d, count_d, repetition_d, prompt_d, blocking_d,
+        (rows_d, floats_d, ints_d, counted_d, count_d, repetition_d, seen_d, blocking_d,
          stop_d) = copy_to_device([np.asarray(rows, dtype=np.int64), floats, ints,
-                                   np.asarray(penalized, dtype=np.int64), flat(count_index),
-                                   np.asarray(repetition, dtype=np.int64), flat(prompt_index),
+                                   np.asarray(counted, dtype=np.int64), flat(count_index),
+                                   np.asarray(repetition, dtype=np.int64), flat(seen_index),
                                    np.asarray(blocking, dtype=np.int64), flat(stop_index)], self.device)
         self.float_params.index_copy_(0, rows_d, floats_d)
         self.int_params.index_copy_(0, rows_d, ints_d)
-        if penalized:
+        if counted:
             counts = self._vocab_table("output_counts", torch.int32)
-            counts.index_fill_(0, penalized_d, 0)
+            counts.index_fill_(0, counted_d, 0)
             counts.view(-1).scatter_add_(0, count_d, torch.ones_like(count_d, dtype=torch.int32))
         if repetition:
-            self._set_rows(self._vocab_table("prompt_mask", torch.bool), repetition_d, prompt_d)
+            self._set_rows(self._vocab_table("seen_mask", torch.bool), repetition_d, seen_d)
         if blocking:
             self._set_rows(self._vocab_table("stop_mask", torch.bool), blocking_d, stop_d)
 
@@ -201,7 +205,9 @@ class SamplingStateTable:
         has_top_k = top_k < vocab
         seeded = self._seeded[rows]
         any_seeded = bool(seeded.any())
-        penalized = bool(self._penalized[rows].any())
+        repetition = bool(self._repetition[rows].any())
+        frequency = bool(self._frequency[rows].any())
+        presence = bool(self._presence[rows].any())
         blocking = bool((positions < self._min_tokens[rows]).any())
         logprobs = int(self._logprobs[rows].max(initial=-1))
 
@@ -213,11 +219,9 @@ class SamplingStateTable:
         if any_seeded:
             noise_keys = row_keys(ints[:, _SEED_LO], ints[:, _SEED_HI], positions_d)
             is_seeded = ints[:, _SEEDED].bool()
-        counts = prompt_mask = min_tokens_mask = None
-        if penalized:
-            counts = self.output_counts[rows_d]
-            if self._repetition[rows].any():
-                prompt_mask = self.prompt_mask[rows_d]
+        counts = self.output_counts[rows_d] if frequency or presence else None
+        seen = self.seen_mask[rows_d] if repetition else None
+        min_tokens_mask = None
         if blocking:
             below = positions_d < ints[:, _MIN_TOKENS]
             min_tokens_mask = self.stop_mask[rows_d] & below.unsqueeze(1)
@@ -237,21 +241,24 @@ class SamplingStateTable:
             noise_keys=noise_keys,
             is_seeded=is_seeded,
             all_random_seeded=bool(seeded[random].all()),
-            presence_penalties=floats[:, _PRESENCE],
-            frequency_penalties=floats[:, _FREQUENCY],
+            presence_penalties=floats[:, _PRESENCE] if presence else None,
+            frequency_penalties=floats[:, _FREQUENCY] if frequency else None,
             repetition_penalties=floats[:, _REPETITION],
-            no_penalties=not penalized,
+            no_penalties=not (repetition or frequency or presence),
             output_token_counts=counts,
-            prompt_token_mask=prompt_mask,
+            seen_token_mask=seen,
             min_tokens_mask=min_tokens_mask,
             max_num_logprobs=logprobs if logprobs >= 0 else None,
             rows=rows_d,
         )
 
     def record_sampled(self, metadata: SamplingMetadata, sampled: torch.Tensor) -> None:
-        """Counts a step's sampled tokens in their rows' output counts (on the device), where some
-        row of the step has penalties; other rows never read their counts."""
+        """Adds a step's sampled tokens to their rows' output counts and seen-token masks (on the
+        device), where some row of the step reads them; the other rows never do."""
         if metadata.no_penalties:
             return
         flat = metadata.rows * self.vocab_size + sampled
-        self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if metadata.output_token_counts is not None:
+            self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if metadata.seen_token_mask is not None:
+            self.seen_mask.view(-1).index_fill_(0, flat, True)
