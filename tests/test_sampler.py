@@ -254,7 +254,8 @@ def test_seeded_rows_follow_the_distribution():
     probs = PROBS.expand(num_rows, -1).contiguous()
     lanes = torch.tensor([seed_lanes(row) for row in range(num_rows)])
     keys = row_keys(lanes[:, 0], lanes[:, 1], torch.full((num_rows,), 3))
-    freq = torch.bincount(random_sample(probs, exponential_noise(keys, torch.arange(5))), minlength=5).float() / num_rows
+    tokens = random_sample(probs, exponential_noise(keys, torch.arange(5)))
+    freq = torch.bincount(tokens, minlength=5).float() / num_rows
     # sigma <= sqrt(0.25 / 10000) = 0.005; 0.025 is 5 sigma.
     assert (freq - PROBS).abs().max().item() < 0.025
 
