@@ -2,7 +2,11 @@
 
 The workload has nano-vllm's shape (its ``bench.py``): N sequences of random prompt token ids,
 prompt and output lengths drawn uniformly, EOS ignored so every request produces exactly its own
-output length. Decoding is greedy (temperature 0) on both sides, so both do the same work.
+output length. NovaInfer samples with the ``--temperature`` / ``--top-p`` / ``--top-k`` /
+``--repetition-penalty`` / ``--logprobs`` / ``--seed-per-request`` settings and produces the text
+(``--detokenize``, on by default as in vLLM's benchmark; ``--no-detokenize`` for token ids only).
+A peer decodes greedy without text: it can only be compared with NovaInfer decoding greedy (with
+or without text, which only adds to NovaInfer's work); sampled runs take ``--peer none``.
 
 Two peers (``--peer``):
 
@@ -30,9 +34,14 @@ operators on CPU) over ``--profile-steps`` decode steps of a full batch, run aft
 
     python benchmarks/throughput.py      # tiny model on CPU: 256 requests, inputs 16-256, outputs 16-256,
                                          # 3 runs each, peer: transformers generate
+    python benchmarks/throughput.py --arch qwen2-0.5b --temperature 0.6 --peer none --repeats 2 \\
+        --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \\
+        --tokenizer ../shared/data/qwen2_tokenizer [--profile]
+                                         # nano-vllm's workload and sampling (temperature 0.6, with text) on
+                                         # a GPU (also: --arch qwen2-1.5b)
     python benchmarks/throughput.py --arch qwen2-0.5b --peer continuous-batching --repeats 1 \\
-        --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 [--profile]
-                                         # nano-vllm's workload on a GPU (also: --arch qwen2-1.5b)
+        --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --no-detokenize
+                                         # the same workload, greedy, against transformers
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--seed", type=int, default=0, help="seed of the workload's random draws")
     add_engine_arguments(p)
     sampling = p.add_argument_group("sampling (NovaInfer's side; the peer runs greedy without text)")
+    # A GPU run samples as nano-vllm's benchmark does: --temperature 0.6 (see the module docstring).
     sampling.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=0, help="0: off")
@@ -78,9 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sampling.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (default: none)")
     sampling.add_argument("--seed-per-request", action="store_true",
                           help="each request samples from a generator of its own (seed = workload seed + index)")
-    sampling.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=False,
-                          help="produce the text as well (the tokenizer must cover the model's vocabulary: "
-                               "see --tokenizer)")
+    sampling.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=True,
+                          help="produce the text as well, as LLM.generate does by default (the tokenizer must "
+                               "cover the model's vocabulary: see --tokenizer)")
     sampling.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     add_output_arguments(p, "throughput_<device>_<model>")
     r = p.add_argument_group("runs")
@@ -99,8 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("peer_batch_size", "repeats", "profile_steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.peer != "none" and sampling_settings(args) != sampling_settings(p.parse_args([])):
-        p.error("the peer runs greedy without text: pass --peer none with sampling, logprobs or text flags")
+    greedy = {**sampling_settings(p.parse_args([])), "detokenize": args.detokenize}
+    if args.peer != "none" and sampling_settings(args) != greedy:
+        p.error("the peer runs greedy: pass --peer none with sampling or logprobs flags")
     return args
 
 
@@ -550,7 +561,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"model {scrub_path(model_dir)} on {device}; {workload.num_seqs} requests, "
           f"{workload.total_input_tokens} prompt tokens, {workload.total_output_tokens} output tokens "
           f"(inputs {args.min_input}-{args.max_input}, outputs {args.min_output}-{args.max_output}, "
-          f"greedy, ignore_eos, seed {args.seed}); {args.repeats} timed runs per side", flush=True)
+          f"ignore_eos, seed {args.seed}); sampling {sampling_settings(args)}; {args.repeats} timed runs per side",
+          flush=True)
 
     load_at_start = load_average()
     peer_class = PEERS.get(args.peer)

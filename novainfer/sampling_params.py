@@ -123,7 +123,7 @@ class SamplingParams:
 
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed)
-            # torch.Generator.manual_seed takes a 64-bit value; anything wider would fail mid-step.
+            # Seeds key the sampler's noise as 64-bit values (negative ones wrap, as torch's manual_seed does).
             if not (-(2**63) <= self.seed < 2**64):
                 raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 

@@ -65,6 +65,20 @@ def test_throughput_against_continuous_batching(tmp_path):
     assert results["command"].startswith("python benchmarks/throughput.py --num-seqs 5")
 
 
+def test_throughput_of_a_sampled_run_with_text(tmp_path):
+    """Text is on by default; a run with every sampling setting produces each request's output length."""
+    args = ["--num-seqs", "4", "--max-input", "30", "--min-output", "3", "--max-output", "9", "--repeats", "1",
+            "--peer", "none", "--temperature", "0.6", "--top-p", "0.9", "--top-k", "20", "--repetition-penalty",
+            "1.1", "--logprobs", "2", "--seed-per-request", "--results-dir", str(tmp_path), "--output", "run"]
+    results = throughput.main(args)
+    assert results["sampling"] == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1,
+                                   "logprobs": 2, "seed_per_request": True, "detokenize": True}
+    assert results["novainfer"]["output_tokens"] == results["workload"]["total_output_tokens"]
+    assert throughput.main([*args, "--no-detokenize"])["sampling"]["detokenize"] is False
+    with pytest.raises(SystemExit):  # a peer decodes greedy only
+        throughput.parse_args(["--temperature", "0.6"])
+
+
 def test_latency_times_both_sides(tmp_path):
     results = latency.main(["--input-len", "16", "--output-len", "6", "--warmup", "1", "--repeats", "2",
                             "--results-dir", str(tmp_path), "--output", "run"])

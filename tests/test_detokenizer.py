@@ -147,3 +147,44 @@ def test_cost_per_token_does_not_grow_with_output_length(tokenizer):
     assert detokenizer.text == tokenizer.decode(ids)
     # Windows only span the last emitted tokens plus a few incomplete ones.
     assert max(counting.decode_lengths) <= 10
+
+
+class SlowPath:
+    """The tokenizer without its fast backend: the detokenizer falls back to decoding windows."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, token_ids, **kwargs):
+        return self._tokenizer.decode(token_ids, **kwargs)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_streaming_decoder_agrees_with_windows_on_random_ids(tokenizer, seed, skip):
+    """Random ids (byte tokens that leave characters unfinished or orphaned, special tokens,
+    spaces) in random chunks, after a random prompt: the fast tokenizer's streaming decoder and
+    the window algorithm return the same deltas, and the text is the full decode's, less an
+    unfinished character at the end."""
+    rng = random.Random(seed)
+    special = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+    byte_tokens = [i for i in range(200, 2000) if "\ufffd" in tokenizer.decode([i])][:50]
+    pool = list(range(len(tokenizer))) + special * 200 + byte_tokens * 100
+    prompt = [rng.choice(pool) for _ in range(rng.randint(0, 12))]
+    ids = [rng.choice(pool) for _ in range(400)]
+    chunks = [rng.randint(1, 3) for _ in ids]
+    fast = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+    assert fast._stream is not None, "the Qwen2 tokenizer is a fast one: the streaming decoder must be used"
+    slow = IncrementalDetokenizer(SlowPath(tokenizer), prompt, skip_special_tokens=skip)
+    fast_deltas, slow_deltas = stream(fast, ids, chunks), stream(slow, ids, chunks)
+    assert fast_deltas == slow_deltas
+    full = tokenizer.decode(ids, skip_special_tokens=skip)
+    assert full.startswith(fast.text) and set(full[len(fast.text):]) <= {"\ufffd"}
+
+
+def test_token_texts_are_single_token_decodes(tokenizer):
+    from novainfer.engine.detokenizer import TokenTexts
+
+    texts = TokenTexts(tokenizer)
+    ids = tokenizer.encode(" ".join(TEXTS.values())) * 2  # every id asked for twice: the second from the cache
+    assert [texts(i) for i in ids] == [tokenizer.decode([i]) for i in ids]

@@ -178,3 +178,41 @@ def test_logprobs_with_chunked_prefill_and_many_alternatives(model_dir, vocab_si
                            SamplingParams(logprobs=20, temperature=0.0, max_tokens=6, ignore_eos=True),
                            use_tqdm=False)
     check_logprobs(model_dir, prompt, out.outputs[0], 20, greedy=True)
+
+
+# ---------------------------------------------------------------- penalties against a reference
+
+
+def reference_penalized_greedy(model_dir, prompt: list[int], params: SamplingParams, n: int) -> list[int]:
+    """transformers' logits at each step, penalized by a plain loop over the prompt and every
+    token generated so far, then argmax."""
+    output: list[int] = []
+    for _ in range(n):
+        logits = hf_logits(model_dir, prompt + output)[-1].double()
+        for token in set(prompt) | set(output):
+            x = logits[token].item()
+            logits[token] = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+        for token in set(output):
+            logits[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+        output.append(int(logits.argmax()))
+    return output
+
+
+def test_greedy_penalties_match_a_reference_over_the_whole_history(model_dir, llm, vocab_size):
+    """Penalty counts kept on the device (prompt at admission, outputs added after each sampled
+    token, with steps pipelined) against the reference; chunked prefill and preemption too."""
+    prompts = [random_ids(60 + i, n, vocab_size) for i, n in enumerate((7, 15, 4))]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.8, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, repetition_penalty=0.6, frequency_penalty=-0.5, presence_penalty=1.0,
+                       max_tokens=14, ignore_eos=True),
+    ]
+    expected = [reference_penalized_greedy(model_dir, p, s, 14) for p, s in zip(prompts, params)]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    assert token_ids(llm.generate(inputs, params, use_tqdm=False)) == [[e] for e in expected]
+    small = LLM(str(model_dir), block_size=4, max_num_batched_tokens=5, num_gpu_blocks_override=10,
+                async_scheduling=True)
+    assert token_ids(small.generate(inputs, params, use_tqdm=False)) == [[e] for e in expected]
+    assert small.llm_engine.stats.num_preemptions_total > 0
+    assert_no_leaks(small)

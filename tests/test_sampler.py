@@ -1,22 +1,21 @@
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from novainfer.sample import LogprobsTensors, Sampler, SamplingMetadata, make_generator
+from novainfer.sample import LogprobsTensors, Sampler, SamplingMetadata
+from novainfer.sample.rng import exponential_noise, row_keys, seed_lanes
 from novainfer.sample.sampler import apply_penalties, random_sample
 from novainfer.sampling_params import SamplingParams
 
 
-def build_metadata(params, vocab_size, outputs=None, prompts=None, generators=None):
+def build_metadata(params, vocab_size, outputs=None, prompts=None):
     n = len(params)
-    if generators is None:
-        generators = [make_generator(p.seed, "cpu") if p.seed is not None else None for p in params]
     return SamplingMetadata.from_requests(
         params,
         outputs if outputs is not None else [[] for _ in range(n)],
         prompts if prompts is not None else [[] for _ in range(n)],
-        generators,
         "cpu",
         vocab_size,
     )
@@ -150,7 +149,6 @@ def test_min_tokens_blocks_stop_and_eos_tokens():
 def run_seeded_request(layout, steps=20, vocab=64):
     """Sample `steps` tokens for every row of `layout`; return the "target" row's tokens."""
     params = [p for _, p in layout]
-    generators = [make_generator(p.seed, "cpu") if p.seed is not None else None for p in params]
     outputs = [[] for _ in params]
     target = [name for name, _ in layout].index("target")
     sampler = Sampler()
@@ -158,9 +156,7 @@ def run_seeded_request(layout, steps=20, vocab=64):
         logits = torch.randn(len(params), vocab) * 2
         # The target sees the same logits whatever the batch; others get fresh noise.
         logits[target] = torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step))
-        metadata = SamplingMetadata.from_requests(
-            params, outputs, [[1, 2, 3]] * len(params), generators, "cpu", vocab
-        )
+        metadata = SamplingMetadata.from_requests(params, outputs, [[1, 2, 3]] * len(params), "cpu", vocab)
         tokens = sampler(logits, metadata).sampled_token_ids.tolist()
         for row, token in enumerate(tokens):
             outputs[row].append(token)
@@ -186,11 +182,27 @@ def test_seed_gives_same_tokens_whatever_the_batch():
     assert other_seed != alone
 
 
-def test_seeded_row_requires_generator():
-    with pytest.raises(ValueError, match=r"generators\[0\].*seed=3"):
-        build_metadata([SamplingParams(seed=3)], 10, generators=[None])
-    # Greedy rows never consume randomness, so they need no generator.
-    build_metadata([SamplingParams(seed=3, temperature=0.0)], 10, generators=[None])
+def seeded_noise(seed, position, token_ids):
+    lo, hi = seed_lanes(seed)
+    keys = row_keys(torch.tensor([lo]), torch.tensor([hi]), torch.tensor([position]))
+    return exponential_noise(keys, torch.as_tensor(token_ids))[0]
+
+
+def test_seeded_noise_is_a_function_of_seed_position_and_token():
+    vocab = torch.arange(1000)
+    noise = seeded_noise(123, 5, vocab)
+    assert noise.dtype == torch.float32 and bool((noise > 0).all()) and bool(noise.isfinite().all())
+    # The same token gets the same draw whichever other tokens are drawn with it.
+    subset = torch.tensor([999, 3, 500])
+    assert torch.equal(seeded_noise(123, 5, subset), noise[subset])
+    # Another position, another seed (also seeds that differ only in their high 32 bits): other draws.
+    for other in (seeded_noise(123, 6, vocab), seeded_noise(124, 5, vocab), seeded_noise(123 + 2**32, 5, vocab),
+                  seeded_noise(-123, 5, vocab)):
+        assert (other != noise).float().mean() > 0.99
+    # Exp(1): mean 1, variance 1, P(q > 1) = 1/e (over 200k draws: standard errors ~0.003, ~0.001).
+    draws = torch.cat([seeded_noise(7, pos, vocab) for pos in range(200)]).double()
+    assert abs(draws.mean().item() - 1) < 0.015 and abs(draws.var().item() - 1) < 0.03
+    assert abs((draws > 1).double().mean().item() - math.exp(-1)) < 0.005
 
 
 # ---------------------------------------------------------------- distributions
@@ -224,21 +236,26 @@ def renormalized(keep, probs=PROBS):
     ],
     ids=["temperature1", "temperature0.5", "top_k2", "top_p0.8", "min_p0.1", "temp_then_top_p"],
 )
-def test_empirical_distribution(params, expected):
+@pytest.mark.parametrize("seeded", [False, True], ids=["global_generator", "seeded"])
+def test_empirical_distribution(params, expected, seeded):
     torch.manual_seed(6)
     logits = PROBS.log().expand(NUM_DRAWS, -1).contiguous()
-    tokens = sample(logits, [params] * NUM_DRAWS).sampled_token_ids
+    # Seeded: every row has a seed of its own (counter-based noise), all at output position 0.
+    rows = [dataclasses.replace(params, seed=row) for row in range(NUM_DRAWS)] if seeded else [params] * NUM_DRAWS
+    tokens = sample(logits, rows).sampled_token_ids
     freq = torch.bincount(tokens, minlength=len(PROBS)).float() / NUM_DRAWS
     assert (freq - expected).abs().max().item() < TOLERANCE, (freq, expected)
     assert torch.all(freq[expected == 0] == 0), "a token outside the allowed set was sampled"
 
 
 def test_seeded_rows_follow_the_distribution():
-    # Every row draws its noise from its own generator (the per-row path).
+    # Every row draws counter-based noise of its own seed (the seeded path), at one position.
     num_rows = 10_000
     probs = PROBS.expand(num_rows, -1).contiguous()
-    generators = {row: make_generator(row, "cpu") for row in range(num_rows)}
-    freq = torch.bincount(random_sample(probs, generators), minlength=5).float() / num_rows
+    lanes = torch.tensor([seed_lanes(row) for row in range(num_rows)])
+    keys = row_keys(lanes[:, 0], lanes[:, 1], torch.full((num_rows,), 3))
+    tokens = random_sample(probs, exponential_noise(keys, torch.arange(5)))
+    freq = torch.bincount(tokens, minlength=5).float() / num_rows
     # sigma <= sqrt(0.25 / 10000) = 0.005; 0.025 is 5 sigma.
     assert (freq - PROBS).abs().max().item() < 0.025
 
@@ -296,18 +313,18 @@ def test_metadata_flags_and_shapes():
     assert not md.all_greedy and not md.all_random
     assert md.no_top_k and md.no_top_p and md.no_min_p and md.no_penalties
     assert md.top_k.tolist() == [50, 50]
-    assert md.output_token_counts is None and md.prompt_token_mask is None
-    assert md.max_num_logprobs == 2 and md.generators == {}
+    assert md.output_token_counts is None and md.seen_token_mask is None
+    assert md.max_num_logprobs == 2 and md.noise_keys is None and md.max_top_k is None
 
     md = build_metadata([SamplingParams(top_k=7, frequency_penalty=0.1)], 50, outputs=[[4, 4]])
-    assert not md.no_top_k and md.top_k.tolist() == [7]
-    assert md.prompt_token_mask is None  # repetition_penalty is 1
+    assert not md.no_top_k and md.top_k.tolist() == [7] and md.max_top_k == 7
+    assert md.seen_token_mask is None  # repetition_penalty is 1
     assert md.output_token_counts[0, 4].item() == 2 and md.output_token_counts.sum().item() == 2
 
 
 def test_mismatched_inputs_raise():
     with pytest.raises(ValueError, match="len\\(prompt_token_ids\\)"):
-        SamplingMetadata.from_requests([SamplingParams()], [[]], [], [None], "cpu", 10)
+        SamplingMetadata.from_requests([SamplingParams()], [[]], [], "cpu", 10)
     md = build_metadata([SamplingParams()], 10)
     with pytest.raises(ValueError, match="logits must have shape \\(1, 10\\)"):
         Sampler()(torch.zeros(1, 11), md)

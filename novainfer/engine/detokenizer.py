@@ -1,7 +1,10 @@
 """Incremental detokenization: turn a growing stream of token ids into text.
 
-Decoding the whole output again after every token costs O(n) per step. Instead
-we keep only a small window of token ids, split by ``read_offset``:
+Decoding the whole output again after every token costs O(n) per step. A fast tokenizer is
+decoded by the tokenizers library's streaming decoder (``tokenizers.decoders.DecodeStream``): one
+call into Rust per step, whatever the number of new tokens, which keeps its own small window.
+Other tokenizers go through the same algorithm in Python: we keep only a small window of token
+ids, split by ``read_offset``:
 
 * ``window[:read_offset]``: context tokens, whose text was emitted by the
   previous step (or that are the tail of the prompt). They are decoded again
@@ -19,7 +22,12 @@ the character.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -66,7 +74,7 @@ class IncrementalDetokenizer:
         if self._decode(context).endswith(_REPLACEMENT_CHAR):
             self._window = []
             self._read_offset = 0
-
+        self._stream = _decode_stream(self._backend, self._window, skip_special_tokens)
         self._text = ""
 
     @property
@@ -83,6 +91,10 @@ class IncrementalDetokenizer:
         """
         if not token_ids:
             return ""
+        if self._stream is not None:
+            new_text = self._stream.step(self._backend, list(token_ids)) or ""
+            self._text += new_text
+            return new_text
         self._window.extend(token_ids)
 
         prefix_text = self._decode(self._window[: self._read_offset])
@@ -110,3 +122,29 @@ class IncrementalDetokenizer:
             spaces_between_special_tokens=self._spaces_between_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+
+
+def _decode_stream(backend: Any, context: list[int], skip_special_tokens: bool) -> Any:
+    """A streaming decoder primed with ``context``, or None where the tokenizers library has none
+    that takes a context and several ids per step (before 0.22) or the tokenizer is not a fast one."""
+    if backend is None or DecodeStream is None:
+        return None
+    try:
+        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+    except TypeError:
+        return None
+
+
+class TokenTexts:
+    """The text of single tokens (the alternatives of logprobs), decoded once per token id: a
+    step with logprobs asks for several per request, mostly of tokens seen before."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text

@@ -179,8 +179,7 @@ class LLMEngine:
         """Schedules and runs one step; returns the outputs of the requests that got tokens.
 
         With ``async_scheduling`` the step is left running and the call returns the tokens of the
-        step before, which the host fetches and processes while the device runs this one. A step
-        with penalties (which read every earlier token on the host) is fetched by its own call.
+        step before, which the host fetches and processes while the device runs this one.
         """
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
@@ -198,10 +197,7 @@ class LLMEngine:
         return self._take_early_outputs() + outputs
 
     def _can_pipeline(self, scheduler_output: SchedulerOutput) -> bool:
-        if not self.scheduler.config.async_scheduling or scheduler_output.is_empty:
-            return False
-        requests = self.scheduler.requests
-        return not any(requests[rid].sampling_params.has_penalties for rid in scheduler_output.num_scheduled_tokens)
+        return self.scheduler.config.async_scheduling and not scheduler_output.is_empty
 
     def _fetch_in_flight(self) -> list[RequestOutput]:
         """Waits for the step in flight and processes its tokens."""

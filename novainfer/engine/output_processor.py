@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from novainfer.engine.detokenizer import TokenTexts
 from novainfer.engine.output_text import OutputTextState
 from novainfer.engine.request import Request, RequestStatus
 from novainfer.outputs import CompletionOutput, Logprob, RequestOutput
@@ -41,6 +42,7 @@ class ParentState:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, ParentState] = {}
         self.children: dict[str, ChildState] = {}
@@ -82,10 +84,10 @@ class OutputProcessor:
                 token_stop = RequestStatus.FINISHED_STOPPED
         if logprobs is not None and child.logprobs is not None:
             ids, values, rank = logprobs
-            decode = self.tokenizer.decode if child.text is not None else lambda _: None
-            entry = {ids[0]: Logprob(values[0], rank, decode([ids[0]]))}
+            decode = self.token_texts if child.text is not None else lambda _: None
+            entry = {ids[0]: Logprob(values[0], rank, decode(ids[0]))}
             for position, (tid, value) in enumerate(zip(ids[1:], values[1:]), start=1):
-                entry.setdefault(tid, Logprob(value, position, decode([tid])))
+                entry.setdefault(tid, Logprob(value, position, decode(tid)))
             child.logprobs.append(entry)
             child.cumulative_logprob += values[0]
         return token_stop

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from novainfer.sample.metadata import SamplingMetadata
+from novainfer.sample.rng import exponential_noise
 
 
 @dataclass
@@ -28,6 +30,20 @@ class LogprobsTensors:
     sampled_token_ranks: torch.Tensor  # [B] int64, 1 = most likely token
 
 
+    def pack(self) -> torch.Tensor:
+        """One int64 [B, 1 + 2 (k + 1)] tensor, for a single copy to the host: the sampled token's
+        rank, the token ids, then the logprobs' float32 bit patterns (see :meth:`unpack`)."""
+        value_bits = self.logprobs.view(torch.int32).to(torch.int64)
+        return torch.cat([self.sampled_token_ranks.unsqueeze(1), self.token_ids, value_bits], dim=1)
+
+    @staticmethod
+    def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids [B, k + 1], logprobs [B, k + 1] float32, ranks [B]) from :meth:`pack`'s output."""
+        width = (packed.shape[1] - 1) // 2
+        values = packed[:, 1 + width:].astype(np.int32).view(np.float32)
+        return packed[:, 1:1 + width], values, packed[:, 0]
+
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
@@ -36,40 +52,37 @@ class SamplerOutput:
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Forbid stop tokens in rows that have not yet produced min_tokens tokens."""
-    if metadata.min_tokens_block is None:
+    if metadata.min_tokens_mask is None:
         return logits
-    rows, token_ids = metadata.min_tokens_block
-    return logits.index_put((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+    return logits.masked_fill(metadata.min_tokens_mask, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Repetition (prompt + output tokens), then frequency and presence (output tokens)."""
-    counts = metadata.output_token_counts
-    if counts is None:
-        return logits
-    in_output = counts > 0
-    if metadata.prompt_token_mask is not None:
+    if metadata.seen_token_mask is not None:
         penalty = metadata.repetition_penalties.unsqueeze(1)
         # Dividing positive and multiplying negative logits both make the token less likely.
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(in_output | metadata.prompt_token_mask, penalized, logits)
-    logits = logits - metadata.frequency_penalties.unsqueeze(1) * counts.to(logits.dtype)
-    return logits - metadata.presence_penalties.unsqueeze(1) * in_output.to(logits.dtype)
+        logits = torch.where(metadata.seen_token_mask, penalized, logits)
+    counts = metadata.output_token_counts
+    if metadata.frequency_penalties is not None:
+        logits = logits - metadata.frequency_penalties.unsqueeze(1) * counts.to(logits.dtype)
+    if metadata.presence_penalties is not None:
+        logits = logits - metadata.presence_penalties.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+def mask_sorted_top_k_top_p(
+    sorted_logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p set to -inf.
+    """Set entries outside each row's top-k / top-p set to -inf, on logits sorted descending.
 
-    top_k: [B] in [1, V]; top_p: [B] in (0, 1]. Top-p is applied to the
-    distribution left after top-k and keeps the smallest prefix whose
-    cumulative probability reaches top_p, always including the top token.
+    top_k: [B] in [1, V]; top_p: [B] in (0, 1]. Top-p is applied to the distribution left after
+    top-k and keeps the smallest prefix whose cumulative probability reaches top_p, always
+    including the top token.
     """
-    # Stable sort so that ties are broken by lowest id, exactly like argmax.
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
-        positions = torch.arange(logits.shape[-1], device=logits.device)
+        positions = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
         sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
@@ -80,7 +93,16 @@ def apply_top_k_top_p(
         # the running sum reach 1 before the tail.
         drop &= (top_p < 1.0).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return logits.scatter(-1, sorted_ids, sorted_logits)
+    return sorted_logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`mask_sorted_top_k_top_p` on unsorted logits (the whole vocabulary)."""
+    # Stable sort so that ties are broken by lowest id, exactly like argmax.
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    return logits.scatter(-1, sorted_ids, mask_sorted_top_k_top_p(sorted_logits, top_k, top_p))
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -92,21 +114,29 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draw one token per row from (unnormalized) probs.
-
-    Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) picks i with
-    probability p_i / sum(p), without a normalization or a cumsum. Seeded rows
-    draw their noise from their own generator so their tokens do not depend
-    on the rest of the batch.
-    """
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
-    for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
+def exponential_draws(probs: torch.Tensor, token_ids: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Exp(1) noise for each entry of ``probs`` ([B, W], entry j of row b being token
+    ``token_ids[b, j]``, or ``token_ids[j]`` for a 1-D ``token_ids``): counter-based (see
+    novainfer.sample.rng) for seeded rows, from the global generator for the others."""
+    seeded = None
+    if metadata.noise_keys is not None:
+        seeded = exponential_noise(metadata.noise_keys, token_ids)
+        if metadata.all_random_seeded:
+            return seeded
+    noise = torch.empty_like(probs).exponential_()
     # A zero draw would turn 0 / 0 into NaN, which argmax picks: a banned token.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    if seeded is None:
+        return noise
+    return torch.where(metadata.is_seeded.unsqueeze(1), seeded, noise)
+
+
+def random_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Draw one index per row from (unnormalized) probs, given Exp(1) noise of the same shape.
+
+    Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) picks i with probability p_i / sum(p),
+    without a normalization or a cumsum.
+    """
     return (probs / noise).argmax(dim=-1)
 
 
@@ -158,22 +188,26 @@ class Sampler(nn.Module):
         if metadata.all_greedy:
             return greedy
 
-        # Greedy rows go through the random path too (its result is discarded
-        # for them); temperature 1 keeps them free of division by zero.
-        temperature = torch.where(
-            metadata.is_greedy, torch.ones_like(metadata.temperature), metadata.temperature
-        )
-        logits = logits / temperature.unsqueeze(1)
-        if not (metadata.no_top_k and metadata.no_top_p):
-            logits = apply_top_k_top_p(
-                logits,
-                None if metadata.no_top_k else metadata.top_k,
-                None if metadata.no_top_p else metadata.top_p,
-            )
+        # Greedy rows go through the random path too (its result is discarded for them); their
+        # temperature is 1, so they are free of division by zero.
+        temperature = metadata.temperature.unsqueeze(1)
+        top_p = None if metadata.no_top_p else metadata.top_p
+        if metadata.max_top_k is not None:
+            # Every random row keeps at most max_top_k tokens: sample among those candidates
+            # (sorted, as top-p needs) rather than sorting the whole vocabulary. A temperature
+            # keeps a row's order, so it only needs to scale the candidates.
+            logits, token_ids = logits.topk(min(metadata.max_top_k, logits.shape[-1]), dim=-1)
+            logits = mask_sorted_top_k_top_p(logits / temperature, metadata.top_k, top_p)
+        else:
+            logits = logits / temperature
+            token_ids = torch.arange(logits.shape[-1], device=logits.device)
+            if not (metadata.no_top_k and top_p is None):
+                logits = apply_top_k_top_p(logits, None if metadata.no_top_k else metadata.top_k, top_p)
         probs = logits.softmax(dim=-1)
         if not metadata.no_min_p:
             probs = apply_min_p(probs, metadata.min_p)
-        sampled = random_sample(probs, metadata.generators)
+        choice = random_sample(probs, exponential_draws(probs, token_ids, metadata))
+        sampled = choice if token_ids.dim() == 1 else token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
         if greedy is None:
             return sampled
         return torch.where(metadata.is_greedy, greedy, sampled)

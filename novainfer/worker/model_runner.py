@@ -30,7 +30,7 @@ from novainfer.core.sched.output import SchedulerOutput
 from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.model_loader import load_model
 from novainfer.models.compile import compile_model
-from novainfer.sample import Sampler, SamplingMetadata, make_generator
+from novainfer.sample import Sampler, SamplingStateTable
 from novainfer.sample.sampler import LogprobsTensors
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graphs import GraphKey, StepGraphs, cudagraph_capture_sizes
@@ -133,32 +133,34 @@ class SampledStep:
     states: list[CachedRequestState]  # the requests that sampled, in row order
     device_tokens: torch.Tensor  # [len(states)] int64
     rows: dict[str, int]  # req_id -> row
-    host_tokens: torch.Tensor
-    # (token ids, logprobs, ranks of the sampled tokens), when a request asked for logprobs
-    host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    copied: torch.cuda.Event | None  # recorded after the copies to the host (CUDA only)
+    # The step's results on the host, from one copy: the tokens [B], or with logprobs
+    # [B, 1 + (1 + 2 (k + 1))]: the tokens, then LogprobsTensors.pack's columns.
+    host_results: torch.Tensor
+    has_logprobs: bool
+    copied: torch.cuda.Event | None  # recorded after the copy to the host (CUDA only)
 
     @classmethod
     def start_copy(cls, states: list[CachedRequestState], tokens: torch.Tensor,
                    logprobs: LogprobsTensors | None) -> SampledStep:
-        """Queues the copies of a step's tokens (and logprobs) to the host, without waiting."""
-        host_tokens = tokens.to("cpu", non_blocking=True)  # pinned: the copy is asynchronous
-        host_logprobs = None
-        if logprobs is not None:
-            host_logprobs = tuple(t.to("cpu", non_blocking=True) for t in
-                                  (logprobs.token_ids, logprobs.logprobs, logprobs.sampled_token_ranks))
+        """Queues the copy of a step's tokens (and logprobs) to the host, without waiting."""
+        results = tokens if logprobs is None else torch.cat([tokens.unsqueeze(1), logprobs.pack()], dim=1)
+        host_results = results.to("cpu", non_blocking=True)  # pinned: the copy is asynchronous
         copied = None
         if tokens.device.type == "cuda":
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(tokens.device))
-        return cls(states, tokens, {s.req_id: row for row, s in enumerate(states)}, host_tokens, host_logprobs,
-                   copied)
+        return cls(states, tokens, {s.req_id: row for row, s in enumerate(states)}, host_results,
+                   logprobs is not None, copied)
 
-    def wait(self) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
-        """The tokens, and the logprob tensors if any, once they are on the host."""
+    def wait(self) -> tuple[list[int], tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """The tokens, and the logprob arrays (token ids, logprobs, ranks) if any, once they are on
+        the host."""
         if self.copied is not None:
             self.copied.synchronize()
-        return self.host_tokens.tolist(), self.host_logprobs
+        results = self.host_results.numpy()
+        if not self.has_logprobs:
+            return results.tolist(), None
+        return results[:, 0].tolist(), LogprobsTensors.unpack(results[:, 1:])
 
 
 @dataclass
@@ -184,8 +186,9 @@ class ModelRunner:
         self.num_blocks = 0
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
-        # Kept across preemption so that a seeded request resumes its random stream.
-        self.generators: dict[str, torch.Generator] = {}
+        # Sampling parameters and token statistics of each running request, on the device, in the
+        # request's block-table row.
+        self.sampling_table = SamplingStateTable(model_config.vocab_size, device)
         self.max_blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         # The step buffers the CUDA graphs read (sized from the configuration at start-up), and
         # buffers of their own for the rare step larger than them (the low-level API's).
@@ -526,11 +529,9 @@ class ModelRunner:
         state.num_blocks = end
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        for rid in so.finished_req_ids:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
             self._drop_request(rid)
-            self.generators.pop(rid, None)
-        for rid in so.preempted_req_ids:
-            self._drop_request(rid)
+        joined: list[CachedRequestState] = []
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             plain_greedy = params.is_greedy and params.logprobs is None and not params.has_penalties
@@ -541,8 +542,11 @@ class ModelRunner:
                 plain_greedy=plain_greedy)
             self._append_blocks(state, new.block_ids)
             self.requests[new.req_id] = state
-            if params.seed is not None and not params.is_greedy and new.req_id not in self.generators:
-                self.generators[new.req_id] = make_generator(params.seed, self.device)
+            joined.append(state)
+        # Every joining request's row is written, plain greedy ones too: a step that mixes them
+        # with others reads their (neutral) parameters.
+        self.sampling_table.add_requests([s.row for s in joined], [s.sampling_params for s in joined],
+                                         [s.prompt_token_ids for s in joined], [s.output_token_ids for s in joined])
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.new_block_ids:
@@ -632,13 +636,11 @@ class ModelRunner:
         if greedy:
             sampled, logprobs = self._greedy_tokens(head_output), None
         else:
-            metadata = SamplingMetadata.from_requests(
-                [s.sampling_params for s in sampling], [s.output_token_ids for s in sampling],
-                [s.prompt_token_ids if s.sampling_params.repetition_penalty != 1.0 else [] for s in sampling],
-                [self.generators.get(s.req_id) for s in sampling], self.device,
-                self.model_config.vocab_size, num_output_tokens=num_outputs)
+            metadata = self.sampling_table.gather(np.fromiter((s.row for s in sampling), np.int64, len(sampling)),
+                                                  np.asarray(num_outputs, dtype=np.int64))
             out = self.sampler(self._full_logits(head_output).float(), metadata)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
+            self.sampling_table.record_sampled(metadata, sampled)
         return SampledStep.start_copy(sampling, sampled, logprobs)
 
     @staticmethod
@@ -650,7 +652,7 @@ class ModelRunner:
             state.output_token_ids.append(token)
         logprobs_lists = None
         if logprobs is not None:
-            ids, values, ranks = (t.tolist() for t in logprobs)
+            ids, values, ranks = (a.tolist() for a in logprobs)
             logprobs_lists = []
             for row, state in enumerate(step.states):
                 k = state.sampling_params.logprobs

@@ -1,0 +1,264 @@
+"""Persistent per-request sampling state on the device: the sampling side of the request table.
+
+Each running request owns a row (the model runner uses the row of its block table). What sampling
+needs of a request lives in that row on the device: its parameters (temperature, top-k, top-p,
+min-p, penalties, seed lanes, min_tokens), and where it uses them, the counts of the tokens it
+generated (frequency and presence penalties), the set of tokens in its prompt or output
+(repetition penalty) and its stop tokens (min_tokens).
+A row is written once, when its request joins (or resumes after preemption), in one packed
+non-blocking copy from pinned memory; afterwards the only host-to-device traffic of a step is the
+step's row indices and output positions, and the output counts are updated on the device from the
+sampled tokens. A step therefore never waits for the device, whatever its sampling settings.
+
+The host keeps a numpy mirror of the per-row flags, so that which stages a step needs (any top-k?
+any penalty? below min_tokens?) is decided without reading the device.
+
+Memory: the parameters take 96 bytes a row. The vocabulary-wide tables are allocated on first use,
+for every row: output counts (int32) once some request has a frequency or presence penalty, the
+seen-token mask (bool) once some request has a repetition penalty, and the stop-token mask (bool)
+once some request has min_tokens: 6 bytes per row and vocabulary entry at most, e.g. 0.9 MB a row
+for Qwen2's 151,936 entries (233 MB for 256 rows, 933 MB for 1,024).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from novainfer.sample.metadata import SamplingMetadata
+from novainfer.sample.rng import row_keys, seed_lanes
+from novainfer.sampling_params import SamplingParams
+
+# Columns of the float and int parameter tables.
+_TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
+_TOP_K, _SEED_LO, _SEED_HI, _MIN_TOKENS, _SEEDED, _GREEDY = range(6)
+_NUM_FLOAT, _NUM_INT = 6, 6
+_ALIGN = 8
+
+
+def copy_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """The arrays on ``device``, packed into one (pinned, on CUDA) host buffer and sent in one
+    non-blocking copy; typed views of the copy are returned. The caching host allocator keeps the
+    pinned buffer from being reused before the copy has read it. On CPU the views are of the
+    packed buffer itself (the same packing runs)."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
+    on_cuda = device.type == "cuda"
+    host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=on_cuda)
+    host_np = host.numpy()
+    for a, offset in zip(arrays, offsets):
+        host_np[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+    packed = host.to(device, non_blocking=True) if on_cuda else host
+    return [packed[offset:offset + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
+            for a, offset in zip(arrays, offsets)]
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+class SamplingStateTable:
+    """Per-row sampling parameters and token statistics on the device, with a host mirror of the
+    flags. Rows are the caller's (the block-table rows of the model runner); the table grows to fit."""
+
+    def __init__(self, vocab_size: int, device: torch.device, num_rows: int = 16) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.device = device
+        self.num_rows = 0
+        # Host mirror of what decides a step's stages.
+        self._greedy = np.zeros(0, dtype=bool)
+        self._seeded = np.zeros(0, dtype=bool)
+        self._top_k = np.zeros(0, dtype=np.int64)
+        self._top_p = np.zeros(0, dtype=np.float32)
+        self._min_p = np.zeros(0, dtype=np.float32)
+        self._repetition = np.zeros(0, dtype=bool)
+        self._frequency = np.zeros(0, dtype=bool)
+        self._presence = np.zeros(0, dtype=bool)
+        self._min_tokens = np.zeros(0, dtype=np.int64)  # 0 for rows without stop tokens to block
+        self._logprobs = np.zeros(0, dtype=np.int64)  # -1: none asked
+        self.float_params = torch.zeros(0, _NUM_FLOAT, dtype=torch.float32, device=device)
+        self.int_params = torch.zeros(0, _NUM_INT, dtype=torch.int64, device=device)
+        # Vocabulary-wide tables, allocated on first use.
+        self.output_counts: torch.Tensor | None = None  # [rows, V] int32
+        self.seen_mask: torch.Tensor | None = None  # [rows, V] bool: in the prompt or the output
+        self.stop_mask: torch.Tensor | None = None  # [rows, V] bool
+        self.ensure_rows(num_rows)
+
+    # ---- rows --------------------------------------------------------------------------------
+    def ensure_rows(self, num_rows: int) -> None:
+        """Grows the table (doubling) to hold rows [0, num_rows); existing rows keep their state."""
+        if num_rows <= self.num_rows:
+            return
+        new = max(num_rows, 2 * self.num_rows)
+
+        def grown_np(a: np.ndarray, fill) -> np.ndarray:
+            out = np.full(new, fill, dtype=a.dtype)
+            out[:len(a)] = a
+            return out
+
+        self._greedy, self._seeded = grown_np(self._greedy, True), grown_np(self._seeded, False)
+        self._top_k, self._top_p = grown_np(self._top_k, self.vocab_size), grown_np(self._top_p, 1.0)
+        self._min_p = grown_np(self._min_p, 0.0)
+        self._repetition = grown_np(self._repetition, False)
+        self._frequency, self._presence = grown_np(self._frequency, False), grown_np(self._presence, False)
+        self._min_tokens, self._logprobs = grown_np(self._min_tokens, 0), grown_np(self._logprobs, -1)
+        self.float_params = self._grown(self.float_params, new)
+        self.int_params = self._grown(self.int_params, new)
+        for name in ("output_counts", "seen_mask", "stop_mask"):
+            table = getattr(self, name)
+            if table is not None:
+                setattr(self, name, self._grown(table, new))
+        self.num_rows = new
+
+    def _grown(self, table: torch.Tensor, num_rows: int) -> torch.Tensor:
+        out = torch.zeros((num_rows, *table.shape[1:]), dtype=table.dtype, device=self.device)
+        out[:table.shape[0]] = table
+        return out
+
+    def _vocab_table(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        table = getattr(self, name)
+        if table is None:
+            table = torch.zeros(self.num_rows, self.vocab_size, dtype=dtype, device=self.device)
+            setattr(self, name, table)
+        return table
+
+    def add_requests(self, rows: Sequence[int], params: Sequence[SamplingParams],
+                     prompt_token_ids: Sequence[Sequence[int]], output_token_ids: Sequence[Sequence[int]]) -> None:
+        """Writes the rows of requests that join (or resume): parameters, and where they are used,
+        the output counts, the seen-token mask and the stop mask, in one copy. Token ids must be in
+        [0, vocab_size)."""
+        if not rows:
+            return
+        n, vocab = len(rows), self.vocab_size
+        self.ensure_rows(max(rows) + 1)
+        floats = np.empty((n, _NUM_FLOAT), dtype=np.float32)
+        ints = np.empty((n, _NUM_INT), dtype=np.int64)
+        counted, repetition, blocking = [], [], []
+        count_index, seen_index, stop_index = [], [], []
+        for i, (row, p, prompt, output) in enumerate(zip(rows, params, prompt_token_ids, output_token_ids)):
+            greedy = p.is_greedy
+            seeded = p.seed is not None and not greedy
+            top_k = p.top_k if 0 < p.top_k < vocab else vocab
+            seed_lo, seed_hi = seed_lanes(p.seed) if seeded else (0, 0)
+            floats[i] = (1.0 if greedy else p.temperature, p.top_p, p.min_p, p.presence_penalty,
+                         p.frequency_penalty, p.repetition_penalty)
+            ints[i] = (top_k, seed_lo, seed_hi, p.min_tokens, seeded, greedy)
+            stops = [t for t in p.all_stop_token_ids if t < vocab] if p.min_tokens else []
+            self._greedy[row], self._seeded[row], self._top_k[row] = greedy, seeded, top_k
+            self._top_p[row], self._min_p[row] = p.top_p, p.min_p
+            self._repetition[row] = p.repetition_penalty != 1.0
+            self._frequency[row], self._presence[row] = p.frequency_penalty != 0.0, p.presence_penalty != 0.0
+            self._min_tokens[row] = p.min_tokens if stops else 0
+            self._logprobs[row] = -1 if p.logprobs is None else p.logprobs
+            base = row * vocab
+            if self._frequency[row] or self._presence[row]:
+                counted.append(row)
+                count_index.append(base + np.asarray(output, dtype=np.int64))
+            if self._repetition[row]:
+                repetition.append(row)
+                seen_index.append(base + np.asarray([*prompt, *output], dtype=np.int64))
+            if stops:
+                blocking.append(row)
+                stop_index.append(base + np.asarray(stops, dtype=np.int64))
+
+        def flat(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+        (rows_d, floats_d, ints_d, counted_d, count_d, repetition_d, seen_d, blocking_d,
+         stop_d) = copy_to_device([np.asarray(rows, dtype=np.int64), floats, ints,
+                                   np.asarray(counted, dtype=np.int64), flat(count_index),
+                                   np.asarray(repetition, dtype=np.int64), flat(seen_index),
+                                   np.asarray(blocking, dtype=np.int64), flat(stop_index)], self.device)
+        self.float_params.index_copy_(0, rows_d, floats_d)
+        self.int_params.index_copy_(0, rows_d, ints_d)
+        if counted:
+            counts = self._vocab_table("output_counts", torch.int32)
+            counts.index_fill_(0, counted_d, 0)
+            counts.view(-1).scatter_add_(0, count_d, torch.ones_like(count_d, dtype=torch.int32))
+        if repetition:
+            self._set_rows(self._vocab_table("seen_mask", torch.bool), repetition_d, seen_d)
+        if blocking:
+            self._set_rows(self._vocab_table("stop_mask", torch.bool), blocking_d, stop_d)
+
+    @staticmethod
+    def _set_rows(mask: torch.Tensor, rows: torch.Tensor, flat_index: torch.Tensor) -> None:
+        """Rows ``rows`` of ``mask`` become exactly the entries ``flat_index`` (row * V + token)."""
+        mask.index_fill_(0, rows, False)
+        mask.view(-1).index_fill_(0, flat_index, True)
+
+    # ---- steps -------------------------------------------------------------------------------
+    def gather(self, rows: np.ndarray, positions: np.ndarray) -> SamplingMetadata:
+        """The metadata of a step that samples ``rows`` (int64, one per logits row) at output
+        ``positions`` (tokens each row generated before this one)."""
+        vocab = self.vocab_size
+        greedy = self._greedy[rows]
+        random = ~greedy
+        any_random = bool(random.any())
+        top_k = self._top_k[rows][random]
+        has_top_k = top_k < vocab
+        seeded = self._seeded[rows]
+        any_seeded = bool(seeded.any())
+        repetition = bool(self._repetition[rows].any())
+        frequency = bool(self._frequency[rows].any())
+        presence = bool(self._presence[rows].any())
+        blocking = bool((positions < self._min_tokens[rows]).any())
+        logprobs = int(self._logprobs[rows].max(initial=-1))
+
+        rows_d, positions_d = copy_to_device([rows.astype(np.int64, copy=False),
+                                              positions.astype(np.int64, copy=False)], self.device)
+        floats = self.float_params[rows_d]
+        ints = self.int_params[rows_d]
+        noise_keys = is_seeded = None
+        if any_seeded:
+            noise_keys = row_keys(ints[:, _SEED_LO], ints[:, _SEED_HI], positions_d)
+            is_seeded = ints[:, _SEEDED].bool()
+        counts = self.output_counts[rows_d] if frequency or presence else None
+        seen = self.seen_mask[rows_d] if repetition else None
+        min_tokens_mask = None
+        if blocking:
+            below = positions_d < ints[:, _MIN_TOKENS]
+            min_tokens_mask = self.stop_mask[rows_d] & below.unsqueeze(1)
+        return SamplingMetadata(
+            vocab_size=vocab,
+            temperature=floats[:, _TEMPERATURE],
+            is_greedy=ints[:, _GREEDY].bool(),
+            all_greedy=not any_random,
+            all_random=not greedy.any(),
+            top_k=ints[:, _TOP_K],
+            top_p=floats[:, _TOP_P],
+            min_p=floats[:, _MIN_P],
+            no_top_k=not has_top_k.any(),
+            no_top_p=bool((self._top_p[rows][random] >= 1.0).all()),
+            no_min_p=bool((self._min_p[rows][random] <= 0.0).all()),
+            max_top_k=int(top_k.max()) if any_random and has_top_k.all() else None,
+            noise_keys=noise_keys,
+            is_seeded=is_seeded,
+            all_random_seeded=bool(seeded[random].all()),
+            presence_penalties=floats[:, _PRESENCE] if presence else None,
+            frequency_penalties=floats[:, _FREQUENCY] if frequency else None,
+            repetition_penalties=floats[:, _REPETITION],
+            no_penalties=not (repetition or frequency or presence),
+            output_token_counts=counts,
+            seen_token_mask=seen,
+            min_tokens_mask=min_tokens_mask,
+            max_num_logprobs=logprobs if logprobs >= 0 else None,
+            rows=rows_d,
+        )
+
+    def record_sampled(self, metadata: SamplingMetadata, sampled: torch.Tensor) -> None:
+        """Adds a step's sampled tokens to their rows' output counts and seen-token masks (on the
+        device), where some row of the step reads them; the other rows never do."""
+        if metadata.no_penalties:
+            return
+        flat = metadata.rows * self.vocab_size + sampled
+        if metadata.output_token_counts is not None:
+            self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if metadata.seen_token_mask is not None:
+            self.seen_mask.view(-1).index_fill_(0, flat, True)

@@ -1,0 +1,154 @@
+"""The persistent sampling table: rows written once per request, token counts kept on the device
+across steps, rows reused and grown, logprobs packed for one host copy.
+
+Oracles: a straightforward penalty loop over each request's whole history, and log_softmax of the
+logits."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from novainfer.sample import LogprobsTensors, Sampler, SamplingStateTable
+from novainfer.sample.sampler import apply_min_tokens, apply_penalties
+from novainfer.sampling_params import SamplingParams
+
+VOCAB = 40
+
+
+def naive_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts, outputs) -> torch.Tensor:
+    out = logits.clone()
+    for b, p in enumerate(params):
+        for t in range(logits.shape[1]):
+            count = outputs[b].count(t)
+            if t in prompts[b] or count > 0:
+                x = out[b, t].item()
+                out[b, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            out[b, t] -= p.frequency_penalty * count
+            out[b, t] -= p.presence_penalty * (1.0 if count > 0 else 0.0)
+    return out
+
+
+PARAMS = [
+    SamplingParams(temperature=0.0, repetition_penalty=1.6),
+    SamplingParams(temperature=0.9, seed=4, frequency_penalty=0.7, presence_penalty=0.3),
+    SamplingParams(temperature=1.0),  # no penalties, sharing steps with rows that have them
+    SamplingParams(temperature=1.2, top_k=5, repetition_penalty=0.7, frequency_penalty=-0.4, presence_penalty=1.0),
+    SamplingParams(temperature=0.0, presence_penalty=2.0, min_tokens=4, stop_token_ids=[1, 2, 3]),
+]
+
+
+def test_penalties_follow_the_whole_history_across_steps_row_reuse_and_growth():
+    """Requests join (some with outputs already, as after preemption), leave, and their rows are
+    reused by others while the table grows; every step's penalized logits equal the reference over
+    each request's prompt and every token it generated, with counts updated on the device only."""
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    table = SamplingStateTable(VOCAB, torch.device("cpu"), num_rows=2)
+    sampler = Sampler()
+    live: dict[int, dict] = {}  # row -> request
+    free_rows = list(range(40))
+    checked = 0
+    for step in range(30):
+        # Some requests leave; new ones take the freed rows (lowest first, so rows are reused).
+        for row in [r for r in live if rng.random() < 0.15]:
+            del live[row]
+            free_rows.append(row)
+        free_rows.sort()
+        joining = []
+        for _ in range(rng.randint(0, 3) if live else 3):
+            row = free_rows.pop(0)
+            request = {"params": rng.choice(PARAMS),
+                       "prompt": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))],
+                       "output": [rng.randrange(VOCAB) for _ in range(rng.choice((0, 0, 3)))]}
+            live[row] = request
+            joining.append(row)
+        table.add_requests(joining, [live[r]["params"] for r in joining], [live[r]["prompt"] for r in joining],
+                           [list(live[r]["output"]) for r in joining])
+        rows = sorted(live, key=lambda _: rng.random())  # any order of rows in a step
+        params = [live[r]["params"] for r in rows]
+        positions = np.array([len(live[r]["output"]) for r in rows], dtype=np.int64)
+        metadata = table.gather(np.array(rows, dtype=np.int64), positions)
+        logits = torch.randn(len(rows), VOCAB) * 3
+        if not metadata.no_penalties:
+            expected = naive_penalties(logits, params, [live[r]["prompt"] for r in rows],
+                                       [live[r]["output"] for r in rows])
+            penalized = [i for i, p in enumerate(params) if p.has_penalties]
+            got = apply_penalties(logits, metadata)
+            torch.testing.assert_close(got[penalized], expected[penalized])
+            checked += 1
+        sampled = sampler(logits, metadata).sampled_token_ids
+        table.record_sampled(metadata, sampled)
+        for row, token in zip(rows, sampled.tolist()):
+            live[row]["output"].append(token)
+    assert checked > 20 and table.num_rows > 2
+
+
+def test_min_tokens_mask_follows_the_output_position():
+    p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2, 7, VOCAB + 5])  # beyond V: ignored
+    p.update_from_generation_config([0])
+    other = SamplingParams(temperature=0.0, stop_token_ids=[2])
+    table = SamplingStateTable(VOCAB, torch.device("cpu"))
+    table.add_requests([3, 5], [p, other], [[1], [1]], [[], []])
+    logits = torch.zeros(2, VOCAB)
+    for position, blocked in ((0, True), (2, True), (3, False)):
+        metadata = table.gather(np.array([5, 3]), np.array([position, position]))
+        out = apply_min_tokens(logits, metadata)
+        assert not out[0].isinf().any()  # the row without min_tokens
+        assert out[1].isinf().nonzero().flatten().tolist() == ([0, 2, 7] if blocked else [])
+        if not blocked:
+            assert metadata.min_tokens_mask is None  # the stage is skipped altogether
+
+
+def test_logprobs_pack_into_one_tensor_and_back():
+    torch.manual_seed(1)
+    logits = torch.randn(3, VOCAB)
+    table = SamplingStateTable(VOCAB, torch.device("cpu"))
+    params = [SamplingParams(temperature=0.0, logprobs=4), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=0.7, top_k=6, logprobs=1)]
+    table.add_requests([0, 1, 2], params, [[1]] * 3, [[]] * 3)
+    out = Sampler()(logits, table.gather(np.arange(3), np.zeros(3, dtype=np.int64)))
+    packed = out.logprobs.pack()
+    assert packed.dtype == torch.int64 and packed.shape == (3, 1 + 2 * 5)
+    ids, values, ranks = LogprobsTensors.unpack(packed.numpy())
+    reference = logits.log_softmax(-1)
+    assert np.array_equal(ids, out.logprobs.token_ids.numpy()) and ids[:, 0].tolist() == out.sampled_token_ids.tolist()
+    assert values.dtype == np.float32 and np.array_equal(values, out.logprobs.logprobs.numpy())
+    np.testing.assert_allclose(values, reference.gather(1, torch.from_numpy(ids)).numpy(), atol=1e-6)
+    assert ranks.tolist() == out.logprobs.sampled_token_ranks.tolist()
+
+
+def test_top_k_candidates_and_the_full_vocabulary_draw_the_same_seeded_token():
+    """Sampling among the top-k candidates and over the whole vocabulary (top-k masked after a
+    sort) draw the same token for a seeded row: the noise is keyed by token id."""
+    torch.manual_seed(2)
+    table = SamplingStateTable(VOCAB, torch.device("cpu"))
+    with_top_k = SamplingParams(temperature=0.8, top_k=7, top_p=0.9, seed=11)
+    without = SamplingParams(temperature=0.8, top_p=0.9, seed=11)  # forces the full-vocabulary path
+    table.add_requests([0, 1], [with_top_k, without], [[1], [1]], [[], []])
+    sampler = Sampler()
+    agree = 0
+    for position in range(200):
+        logits = torch.randn(1, VOCAB) * 2
+        candidates = table.gather(np.array([0]), np.array([position]))
+        assert candidates.max_top_k == 7
+        both = table.gather(np.array([0, 1]), np.array([position, position]))
+        assert both.max_top_k is None
+        token = sampler(logits, candidates).sampled_token_ids.item()
+        assert token in logits[0].topk(7).indices.tolist()
+        assert sampler(logits.expand(2, -1), both).sampled_token_ids[0].item() == token
+        agree += token == sampler(logits, table.gather(np.array([1]), np.array([position]))).sampled_token_ids.item()
+    assert 0 < agree < 200  # the row without top-k is the same stream over a larger set
+
+
+def test_rows_beyond_the_table_grow_it_and_bad_sizes_raise():
+    table = SamplingStateTable(VOCAB, torch.device("cpu"), num_rows=1)
+    table.add_requests([37], [SamplingParams(temperature=0.5, top_p=0.5)], [[1]], [[]])
+    assert table.num_rows >= 38
+    metadata = table.gather(np.array([37]), np.array([0]))
+    assert metadata.temperature.tolist() == [0.5] and metadata.top_p.tolist() == [0.5]
+    with pytest.raises(ValueError, match="vocab_size"):
+        SamplingStateTable(0, torch.device("cpu"))
