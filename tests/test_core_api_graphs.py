@@ -25,9 +25,8 @@ N_SEQ_MAX = 6
 MAX_GRAPH_BATCH = 4
 
 
-@pytest.fixture
-def replayed(monkeypatch):
-    """Graph capture turned on for CPU models; yields the keys every replay ran, in order."""
+def record_replays(monkeypatch) -> list[GraphKey]:
+    """The keys every graph replay runs from now on, in order."""
     keys: list[GraphKey] = []
     replay = StepGraphs.replay
 
@@ -35,9 +34,15 @@ def replayed(monkeypatch):
         keys.append(key)
         return replay(self, key)
 
-    monkeypatch.setattr(Model, "_can_capture", lambda self: True)
     monkeypatch.setattr(StepGraphs, "replay", recording)
     return keys
+
+
+@pytest.fixture
+def replayed(monkeypatch):
+    """Graph capture turned on for CPU models; yields the keys every replay ran, in order."""
+    monkeypatch.setattr(Model, "_can_capture", lambda self: True)
+    return record_replays(monkeypatch)
 
 
 @pytest.fixture
@@ -45,9 +50,9 @@ def path():
     return tiny_model()
 
 
-def make_models(path, n_ctx: int = 512) -> tuple[Model, Model]:
-    """The same model twice: with emulated decode graphs (batches of up to 4), and eager only."""
-    kwargs = dict(device="cpu", dtype="float32", n_ctx=n_ctx, n_seq_max=N_SEQ_MAX,
+def make_models(path, n_ctx: int = 512, device: str = "cpu", dtype: str = "float32") -> tuple[Model, Model]:
+    """The same model twice: with decode graphs (batches of up to 4), and eager only."""
+    kwargs = dict(device=device, dtype=dtype, n_ctx=n_ctx, n_seq_max=N_SEQ_MAX,
                   max_cudagraph_capture_size=MAX_GRAPH_BATCH)
     return Model.from_pretrained(path, **kwargs), Model.from_pretrained(path, enforce_eager=True, **kwargs)
 
@@ -64,9 +69,10 @@ def assert_table_mirrors_cells(model: Model) -> None:
 class Pair:
     """Applies every call to both models and checks that they agree."""
 
-    def __init__(self, path, replayed, n_ctx: int = 512):
-        self.graphs, self.eager = make_models(path, n_ctx)
+    def __init__(self, path, replayed: list[GraphKey], n_ctx: int = 512, device: str = "cpu", atol: float = ATOL):
+        self.graphs, self.eager = make_models(path, n_ctx, device)
         self.replayed = replayed
+        self.atol = atol
 
     def decode(self, seqs: dict[int, list[int]], expect_graph: GraphKey | None, logits: str = "last") -> None:
         self.replayed.clear()
@@ -92,14 +98,23 @@ class Pair:
 
     def check(self) -> None:
         assert self.graphs.output_ids() == self.eager.output_ids()
-        torch.testing.assert_close(self.graphs.get_logits(), self.eager.get_logits(), atol=ATOL, rtol=0)
+        torch.testing.assert_close(self.graphs.get_logits(), self.eager.get_logits(), atol=self.atol, rtol=0)
         assert self.graphs.kv_cells_dump(used_only=True) == self.eager.kv_cells_dump(used_only=True)
         assert_table_mirrors_cells(self.graphs)
 
 
 def test_graph_path_equals_eager_path_through_every_kind_of_batch_and_kv_operation(path, replayed, vocab_size):
     pair = Pair(path, replayed)
-    assert pair.graphs._graphs is not None and pair.eager._graphs is None  # enforce_eager: no capture
+    assert pair.graphs.cuda_graphs and not pair.eager.cuda_graphs  # enforce_eager: no capture
+    assert pair.graphs.graph_memory_bytes == 4 * MAX_GRAPH_BATCH * (512 + 1)  # emulated: the cell table only
+    run_every_kind_of_step(pair, path, vocab_size, hf_atol=1e-4)
+
+
+def run_every_kind_of_step(pair: Pair, path, vocab_size: int, hf_atol: float) -> None:
+    """Prompts, decode steps of subsets of sequences (padded), steps too large for the graphs, every
+    kv_seq_* operation, eager steps between graph steps; the graph model's last logits against
+    transformers."""
+    replayed = pair.replayed
     assert replayed == []
     prompts = {s: random_ids(40 + s, n, vocab_size) for s, n in enumerate([7, 12, 3, 9, 15])}
     pair.decode(prompts, None)  # prompts: several tokens per sequence, eager
@@ -131,7 +146,7 @@ def test_graph_path_equals_eager_path_through_every_kind_of_batch_and_kv_operati
     pair.decode({2: random_ids(50, 5, vocab_size)}, None)
     pair.decode({2: [25]}, GraphKey("decode", 1))
     expected = hf_logits(path, random_ids(50, 5, vocab_size) + [25])[-1]
-    torch.testing.assert_close(pair.graphs.get_logits_ith(0), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(pair.graphs.get_logits_ith(0).cpu(), expected, atol=hf_atol, rtol=0)
 
 
 def test_decodes_that_fail_or_abort_around_a_graph_leave_the_table_consistent(path, replayed, vocab_size,

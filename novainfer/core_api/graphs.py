@@ -97,8 +97,9 @@ class CellDecodeGraphs:
         rows = key.size
         input_ids, positions, slots, seq_lens = self._inputs[:, :rows].unbind()
         block_tables = self.block_tables[:rows]
-        # Each row's new cell goes after its context (a padding row's, at index -1: the unread last column).
-        block_tables.index_put_((self._rows[:rows], seq_lens - 1), slots.to(torch.int32))
+        # Each row's new cell goes after its context; a padding row's (seq_len 0) in the unread last column.
+        columns = (seq_lens - 1).remainder(self.width + 1)
+        block_tables.index_put_((self._rows[:rows], columns), slots.to(torch.int32))
         metadata = AttentionMetadata(
             num_tokens=rows, num_seqs=rows, block_size=1, max_query_len=1, max_seq_len=self.width,
             query_start_loc=self._query_start_loc[:rows + 1], seq_lens=seq_lens.to(torch.int32),

@@ -138,6 +138,11 @@ class Model:
         return self.device.type == "cuda" and getattr(self._paged, "supports_cuda_graphs", False)
 
     @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay captured graphs (see :meth:`from_pretrained`)."""
+        return self._graphs is not None
+
+    @property
     def graph_memory_bytes(self) -> int:
         """Device memory the captured decode steps hold (0 without them)."""
         return self._graphs.memory_bytes if self._graphs is not None else 0
