@@ -65,6 +65,7 @@ class KvCells:
         self.n_cells = np.zeros(n_seq_max, dtype=np.int64)
         self.generation = np.zeros(n_seq_max, dtype=np.int64)
         self._in_order = np.ones(n_seq_max, dtype=bool)
+        self._first_free = 0  # every cell below it is used (where the search for free cells starts)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -72,8 +73,16 @@ class KvCells:
         return int(self.used.sum())
 
     def free_cells(self, n: int) -> np.ndarray:
-        """Up to ``n`` free cells, lowest first."""
-        return np.flatnonzero(~self.used)[:n]
+        """Up to ``n`` free cells, lowest first (searched in chunks from the lowest free cell, so that
+        a decode step does not scan the whole cache)."""
+        found, start = [], self._first_free
+        while start < self.n_ctx and sum(map(len, found)) < n:
+            end = min(self.n_ctx, start + max(4 * n, 4096))
+            found.append(start + np.flatnonzero(~self.used[start:end]))
+            start = end
+        free = np.concatenate(found)[:n] if found else np.zeros(0, dtype=np.int64)
+        self._first_free = int(free[0]) if len(free) else start
+        return free
 
     def sort(self, seqs: np.ndarray) -> None:
         """Makes ``order`` and ``n_cells`` hold the current cells of ``seqs``."""
@@ -119,7 +128,10 @@ class KvCells:
 
     def _refresh_used(self, cells: np.ndarray) -> None:
         self.used[cells] = self.seqs[:, cells].any(axis=0)
-        self.pos[cells[~self.used[cells]]] = -1
+        freed = cells[~self.used[cells]]
+        self.pos[freed] = -1
+        if len(freed):
+            self._first_free = min(self._first_free, int(freed.min()))
 
     def commit(self, cells: np.ndarray, positions: np.ndarray, token_seqs: np.ndarray) -> None:
         """Stores a decoded batch: token ``i`` in cell ``cells[i]`` at ``positions[i]`` owned by the
@@ -179,6 +191,7 @@ class KvCells:
         self.pos[:] = -1
         self.seqs[:] = False
         self.used[:] = False
+        self._first_free = 0
         self.n_cells[:] = 0
         self._in_order[:] = True
         self.generation += 1
