@@ -5,11 +5,15 @@ sequence per call); then ``--steps`` timed calls each decode one token for every
 the next call's tokens taken from the argmax of the last call's logits (on the host, as a caller of
 the API must).
 
-* core_api: ``Model.decode`` of a ``Batch`` of ``num_seqs`` tokens, then ``get_logits().argmax``.
-  With ``--attention auto`` such a batch (one sequence per token) runs the engine's attention
-  backend over each sequence's cells (Triton on CUDA); ``masked`` forces the general masked path.
+* core_api: ``Model.decode`` of a ``Batch`` of ``num_seqs`` tokens (its arrays filled in place,
+  as the struct-of-arrays layout is meant to be), then ``get_logits().argmax``. With ``--attention
+  auto`` such a batch (one token per sequence) is a decode step: on CUDA it replays a graph
+  captured when the model was created, running the engine's Triton attention over each sequence's
+  cells; ``masked`` forces the general masked path (eager).
 * engine: ``ModelRunner.forward`` of the same step (block tables of ``--block-size``, CUDA graphs
-  on GPU unless ``--enforce-eager``), which also returns float32 logits.
+  on GPU), which also returns float32 logits.
+
+``--enforce-eager`` turns CUDA graphs off on both sides.
 
 Both start from the same prompts; their greedy tokens are compared.
 
@@ -47,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s = p.add_argument_group("sides")
     s.add_argument("--attention", default="auto", choices=["auto", "masked"], help="core_api's attention path")
     s.add_argument("--block-size", type=int, default=16, help="the engine's KV block size")
-    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on the engine side")
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on either side")
     s.add_argument("--peer", default="engine", choices=["engine", "none"])
     add_output_arguments(p, "core_api_decode_<device>_<model>")
     args = p.parse_args(argv)
@@ -68,8 +72,11 @@ def run_core_api(args, model_dir: str, device, prompts: list[list[int]]) -> tupl
 
     n = len(prompts)
     total = args.context + args.warmup + args.steps + 1
+    started = time.perf_counter()
     model = Model.from_pretrained(model_dir, device=str(device), dtype=args.dtype, n_ctx=n * total, n_seq_max=n,
-                                  n_batch=max(n, args.context), attention=args.attention)
+                                  n_batch=max(n, args.context), attention=args.attention,
+                                  enforce_eager=args.enforce_eager)
+    load_s = time.perf_counter() - started
     started = time.perf_counter()
     tokens = []
     for seq, prompt in enumerate(prompts):
@@ -81,19 +88,25 @@ def run_core_api(args, model_dir: str, device, prompts: list[list[int]]) -> tupl
     _synchronize(device)
     prefill_s = time.perf_counter() - started
     batch = Batch.init(n, 1)
+    batch.n_tokens = n
+    batch.n_seq_id[:] = 1
+    batch.seq_id[:, 0] = np.arange(n)
+    batch.logits[:] = True
     outputs = [[t] for t in tokens]
 
     def step(position: int) -> None:
-        batch.clear()
-        for seq, out in enumerate(outputs):
-            batch.add(out[-1], position, [seq], logits=True)
+        batch.token[:] = [out[-1] for out in outputs]
+        batch.pos[:] = position
         _check(model.decode(batch), model)
         for out, t in zip(outputs, model.get_logits().argmax(dim=-1).tolist()):
             out.append(t)
 
     elapsed = _timed_steps(step, args, device)
-    result = {"name": f"core_api Model.decode (attention={args.attention})", "prefill_s": round(prefill_s, 3),
-              **_rates(elapsed, args, n), "kv_cells": model.n_ctx, "kv_cells_used": model.kv_used_cells()}
+    graphs = model.cuda_graphs
+    result = {"name": f"core_api Model.decode (attention={args.attention}{', CUDA graphs' if graphs else ''})",
+              "cuda_graphs": graphs, "graph_memory_mib": round(model.graph_memory_bytes / 2**20, 1),
+              "load_and_capture_s": round(load_s, 3), "prefill_s": round(prefill_s, 3), **_rates(elapsed, args, n),
+              "kv_cells": model.n_ctx, "kv_cells_used": model.kv_used_cells()}
     return result, outputs
 
 
@@ -193,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio_definition": "core_api tokens/s / engine tokens/s (> 1: the low-level API decodes faster)",
         **facts,
         "workload": {"num_seqs": args.num_seqs, "context": args.context, "warmup_steps": args.warmup,
-                     "timed_steps": args.steps, "seed": args.seed, "greedy": True, "dtype": args.dtype},
+                     "timed_steps": args.steps, "seed": args.seed, "greedy": True, "dtype": args.dtype,
+                     "enforce_eager": args.enforce_eager},
         "core_api": core,
         "engine": engine,
     }

@@ -280,3 +280,39 @@ def test_continuations_share_the_prompt_cells(model, path, vocab_size):
         expected = hf_logits(path, prompt + cont)[-3:]
         got = torch.stack([model.get_logits_ith(i) for i in where[seq]])
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+# ---- the cell metadata's own bookkeeping ---------------------------------------------------------
+def test_cell_metadata_bookkeeping_against_a_plain_scan():
+    """KvCells keeps each sequence's cells in position order and searches free cells from a lower
+    bound, chunk by chunk; after random decodes and removals over a cache of several search chunks,
+    both equal what a plain scan of the metadata gives."""
+    import numpy as np
+
+    from novainfer.core_api.kv_cells import KvCells
+
+    rng = np.random.default_rng(0)
+    kv = KvCells(n_ctx=20_000, n_seq_max=5)
+    next_pos = np.zeros(5, dtype=np.int64)
+    for step in range(300):
+        n = int(rng.integers(1, 600))
+        free = kv.free_cells(n)
+        assert free.tolist() == np.flatnonzero(~kv.used)[:n].tolist()
+        if len(free) == n:
+            token_seqs = np.zeros((n, 5), dtype=bool)
+            token_seqs[np.arange(n), rng.integers(0, 5, n)] = True
+            token_seqs[:, 4] |= rng.random(n) < 0.2  # some tokens in two sequences
+            positions = np.empty(n, dtype=np.int64)
+            for i in range(n):  # each token right after the latest of its sequences
+                positions[i] = next_pos[token_seqs[i]].max()
+                next_pos[token_seqs[i]] = positions[i] + 1
+            kv.commit(free, positions, token_seqs)
+        seq = int(rng.integers(0, 5))
+        if step % 3 == 0:  # a removal (the sorted rows of touched sequences are rebuilt when read)
+            lo = int(rng.integers(0, max(1, next_pos[seq])))
+            kv.remove(seq if step % 2 else None, kv.cells_in_range(seq, lo, lo + int(rng.integers(1, 400))))
+        for s in range(5):
+            cells = np.flatnonzero(kv.seqs[s])
+            assert kv.seq_cells(s).tolist() == cells[np.argsort(kv.pos[cells], kind="stable")].tolist()
+        expected_max = [int(kv.pos[kv.seqs[s]].max()) if kv.seqs[s].any() else -1 for s in range(5)]
+        assert kv.pos_max_of(np.arange(5)).tolist() == expected_max

@@ -47,8 +47,12 @@ class KvCells:
     """Metadata of ``n_ctx`` cells shared by up to ``n_seq_max`` sequences (no per-sequence quota).
 
     ``seqs[s, c]`` says whether sequence ``s`` owns cell ``c``; ``pos[c]`` is the cell's position
-    (-1 when free). Each sequence's cells sorted by position are cached, because every decode needs
-    them (attention context, next position) and most decodes only append to them.
+    (-1 when free). Every decode needs each sequence's cells in position order (its attention
+    context, its next position) and most decodes only append to them, so they are kept, row ``s``
+    of ``order`` holding sequence ``s``'s ``n_cells[s]`` cells ([n_seq_max, n_ctx] int32, 4 bytes
+    per cell and sequence): a decode appends to the rows, any other change marks a row for
+    rebuilding when next read and bumps the sequence's ``generation`` (so that copies of a row, the
+    captured decode steps' table on the device, know to start over).
     """
 
     def __init__(self, n_ctx: int, n_seq_max: int) -> None:
@@ -57,7 +61,11 @@ class KvCells:
         self.pos = np.full(n_ctx, -1, dtype=np.int64)
         self.seqs = np.zeros((n_seq_max, n_ctx), dtype=bool)
         self.used = np.zeros(n_ctx, dtype=bool)
-        self._sorted: list[np.ndarray | None] = [np.zeros(0, dtype=np.int64)] * n_seq_max
+        self.order = np.zeros((n_seq_max, n_ctx), dtype=np.int32)
+        self.n_cells = np.zeros(n_seq_max, dtype=np.int64)
+        self.generation = np.zeros(n_seq_max, dtype=np.int64)
+        self._in_order = np.ones(n_seq_max, dtype=bool)
+        self._first_free = 0  # every cell below it is used (where the search for free cells starts)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -65,21 +73,38 @@ class KvCells:
         return int(self.used.sum())
 
     def free_cells(self, n: int) -> np.ndarray:
-        """Up to ``n`` free cells, lowest first."""
-        return np.flatnonzero(~self.used)[:n]
+        """Up to ``n`` free cells, lowest first (searched in chunks from the lowest free cell, so that
+        a decode step does not scan the whole cache)."""
+        found, start = [], self._first_free
+        while start < self.n_ctx and sum(map(len, found)) < n:
+            end = min(self.n_ctx, start + max(4 * n, 4096))
+            found.append(start + np.flatnonzero(~self.used[start:end]))
+            start = end
+        free = np.concatenate(found)[:n] if found else np.zeros(0, dtype=np.int64)
+        self._first_free = int(free[0]) if len(free) else start
+        return free
+
+    def sort(self, seqs: np.ndarray) -> None:
+        """Makes ``order`` and ``n_cells`` hold the current cells of ``seqs``."""
+        for s in np.unique(seqs[~self._in_order[seqs]]):
+            cells = np.flatnonzero(self.seqs[s])
+            self.order[s, :len(cells)] = cells[np.argsort(self.pos[cells], kind="stable")]
+            self.n_cells[s] = len(cells)
+            self._in_order[s] = True
 
     def seq_cells(self, seq: int) -> np.ndarray:
-        """Cells of ``seq`` ordered by position (a cached array: do not modify it)."""
-        cells = self._sorted[seq]
-        if cells is None:
-            cells = np.flatnonzero(self.seqs[seq])
-            cells = cells[np.argsort(self.pos[cells], kind="stable")]
-            self._sorted[seq] = cells
-        return cells
+        """Cells of ``seq`` ordered by position (a view, valid until the cells change)."""
+        self.sort(np.array([seq]))
+        return self.order[seq, :self.n_cells[seq]]
+
+    def pos_max_of(self, seqs: np.ndarray) -> np.ndarray:
+        """The largest position each of ``seqs`` holds (-1 when it holds none)."""
+        self.sort(seqs)
+        n = self.n_cells[seqs]
+        return np.where(n > 0, self.pos[self.order[seqs, np.maximum(n - 1, 0)]], -1)
 
     def pos_max(self, seq: int) -> int:
-        cells = self.seq_cells(seq)
-        return int(self.pos[cells[-1]]) if len(cells) else -1
+        return int(self.pos_max_of(np.array([seq]))[0])
 
     def pos_min(self, seq: int) -> int:
         cells = self.seq_cells(seq)
@@ -98,27 +123,35 @@ class KvCells:
 
     # ---- changes -------------------------------------------------------------------------------
     def _touch(self, seqs) -> None:
-        for s in seqs:
-            self._sorted[int(s)] = None
+        self._in_order[seqs] = False
+        self.generation[seqs] += 1
 
     def _refresh_used(self, cells: np.ndarray) -> None:
         self.used[cells] = self.seqs[:, cells].any(axis=0)
-        self.pos[cells[~self.used[cells]]] = -1
+        freed = cells[~self.used[cells]]
+        self.pos[freed] = -1
+        if len(freed):
+            self._first_free = min(self._first_free, int(freed.min()))
 
     def commit(self, cells: np.ndarray, positions: np.ndarray, token_seqs: np.ndarray) -> None:
         """Stores a decoded batch: token ``i`` in cell ``cells[i]`` at ``positions[i]`` owned by the
         sequences of row ``i`` of ``token_seqs`` [T, n_seq_max] (bool).
 
         The caller has checked that each sequence's new positions exceed its cached ones and increase
-        through the batch, so appending keeps each sorted list sorted.
+        through the batch, so appending keeps each row of ``order`` in position order.
         """
         self.pos[cells] = positions
         self.seqs[:, cells] = token_seqs.T
         self.used[cells] = True
-        for s in np.flatnonzero(token_seqs.any(axis=0)):
-            cached = self._sorted[s]
-            if cached is not None:
-                self._sorted[s] = np.concatenate([cached, cells[token_seqs[:, s]]])
+        token, seq = np.nonzero(token_seqs)
+        by_seq = np.argsort(seq, kind="stable")  # each sequence's new cells in batch order
+        token, seq = token[by_seq], seq[by_seq]
+        kept = self._in_order[seq]  # rows waiting for a rebuild get these cells then
+        token, seq = token[kept], seq[kept]
+        rank = np.arange(len(seq)) - np.searchsorted(seq, seq)  # among the sequence's new cells
+        self.order[seq, self.n_cells[seq] + rank] = cells[token]
+        appended, counts = np.unique(seq, return_counts=True)
+        self.n_cells[appended] += counts
 
     def remove(self, seq: int | None, cells: np.ndarray) -> None:
         """Takes ``seq`` (every sequence when None) off ``cells``; cells left with none become free."""
@@ -158,4 +191,7 @@ class KvCells:
         self.pos[:] = -1
         self.seqs[:] = False
         self.used[:] = False
-        self._sorted = [np.zeros(0, dtype=np.int64)] * self.n_seq_max
+        self._first_free = 0
+        self.n_cells[:] = 0
+        self._in_order[:] = True
+        self.generation += 1

@@ -21,6 +21,7 @@ from novainfer.attention.backends.selector import get_attn_backend
 from novainfer.config import ModelConfig, resolve_device
 from novainfer.core_api.attention import CellMask, MaskedCellAttention, find_rotaries, rotate_keys
 from novainfer.core_api.batch import Batch
+from novainfer.core_api.graphs import CellDecodeGraphs
 from novainfer.core_api.kv_cells import CellInfo, KvCells, KvStatus, normalize_range
 from novainfer.model_loader import load_model
 from novainfer.model_loader.loader import _expected_checkpoint_names, _map_name
@@ -54,6 +55,7 @@ class _Step:
     token_seqs: np.ndarray  # [T, n_seq_max] bool
     first_seq: np.ndarray  # [T] the first sequence id of each token
     single_seq: bool  # every token in exactly one sequence
+    decode_only: bool  # single_seq, and no sequence has two tokens (a captured decode step can run it)
     output_ids: np.ndarray  # batch indices of the tokens with logits
 
 
@@ -87,13 +89,16 @@ class Model:
     "Low-level model interface"). Build it with :meth:`from_pretrained`."""
 
     def __init__(self, model: nn.Module, hf_config, device: torch.device, dtype: torch.dtype, *, n_ctx: int,
-                 n_seq_max: int, n_batch: int | None, attention: str) -> None:
+                 n_seq_max: int, n_batch: int | None, attention: str, enforce_eager: bool = False,
+                 max_cudagraph_capture_size: int = 512) -> None:
         if n_ctx < 1:
             raise ValueError(f"n_ctx (KV cells) must be >= 1, got {n_ctx}")
         if n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
+        if max_cudagraph_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {max_cudagraph_capture_size}")
         self.model = model
         self.config = hf_config
         self.device = device
@@ -121,28 +126,56 @@ class Model:
         self.last_token_cells: list[int] = []  # cell of each token of the last successful decode
         self._no_logits = torch.zeros(0, self.n_vocab, dtype=torch.float32, device=device)
         self._reset_outputs()
+        self._graphs: CellDecodeGraphs | None = None
+        if not enforce_eager and self._paged is not None and self._can_capture():
+            self._graphs = CellDecodeGraphs(model, self._paged, self.cells, device,
+                                            min(n_seq_max, self.n_batch, max_cudagraph_capture_size),
+                                            self.max_position)
+            self._graphs.capture()
+
+    def _can_capture(self) -> bool:
+        """Whether decode steps can be captured: CUDA, with a paged backend that supports it."""
+        return self.device.type == "cuda" and getattr(self._paged, "supports_cuda_graphs", False)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay captured graphs (see :meth:`from_pretrained`)."""
+        return self._graphs is not None
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        """Device memory the captured decode steps hold (0 without them)."""
+        return self._graphs.memory_bytes if self._graphs is not None else 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto",
                         n_ctx: int = 4096, n_seq_max: int = 64, n_batch: int | None = None,
-                        attention: str = "auto") -> Model:
+                        attention: str = "auto", enforce_eager: bool = False,
+                        max_cudagraph_capture_size: int = 512) -> Model:
         """Loads a Hugging Face model directory with the engine's registry and loader.
 
         ``n_ctx``: KV cells (tokens cached over all sequences); ``n_seq_max``: sequence ids are
         ``0 .. n_seq_max - 1``; ``n_batch``: most tokens per decode (default ``n_ctx``);
         ``attention``: ``auto`` (single-sequence batches through the device's engine backend, the
         rest masked), ``torch``/``triton`` (that backend for those batches) or ``masked`` (always).
+
+        On CUDA with the Triton backend, decode steps (every token in its own sequence) of up to
+        ``min(n_seq_max, n_batch, max_cudagraph_capture_size)`` tokens are captured as CUDA graphs
+        here, once (logged, with the memory they hold: ``graph_memory_bytes``); ``enforce_eager``
+        runs every batch eagerly instead.
         """
         torch_device = resolve_device(device)
         model_config = ModelConfig(str(model_dir), dtype=dtype)
         model = load_model(model_config.model, model_config.hf_config, model_config.torch_dtype, torch_device)
         return cls(model, model_config.hf_config, torch_device, model_config.torch_dtype, n_ctx=n_ctx,
-                   n_seq_max=n_seq_max, n_batch=n_batch, attention=attention)
+                   n_seq_max=n_seq_max, n_batch=n_batch, attention=attention, enforce_eager=enforce_eager,
+                   max_cudagraph_capture_size=max_cudagraph_capture_size)
 
     # ---- decode --------------------------------------------------------------------------------
     def set_abort_callback(self, callback: Callable[[], bool] | None) -> None:
-        """``callback()`` is asked before the batch and before each layer's attention; True aborts
-        the decode (it returns 2 and nothing is committed)."""
+        """``callback()`` is asked before the batch and before each layer's attention (a captured
+        decode step: before the batch only); True aborts the decode (it returns 2 and nothing is
+        committed)."""
         self._abort_callback = callback
 
     def _check_abort(self, *_) -> None:
@@ -171,10 +204,11 @@ class Model:
             self.last_error = (f"no KV slot: the batch needs {num_tokens} free cells, {len(cells)} of "
                                f"n_ctx={self.n_ctx} are free")
             return DECODE_NO_KV_SLOT
+        use_graph = self._graphs is not None and step.decode_only and self._graphs.can_run(step.first_seq)
         try:
             self._check_abort()
             with torch.inference_mode():
-                logits = self._forward(step, cells)
+                logits = self._forward(step, cells, use_graph)
         except _Aborted:
             self.last_error = "aborted by the abort callback"
             return DECODE_ABORTED
@@ -183,6 +217,8 @@ class Model:
             self.last_error = f"decode failed: {type(exc).__name__}: {exc}"
             return DECODE_FATAL
         self.cells.commit(cells, step.positions, step.token_seqs)
+        if use_graph:
+            self._graphs.committed(num_tokens)
         self.last_token_cells = cells.tolist()
         self._logits = logits
         self._output_ids = step.output_ids
@@ -204,79 +240,117 @@ class Model:
         logits = arrays["logits"].astype(bool)
         if not logits.any():
             raise _InvalidInput("logits: no token of the batch has its logits flag set; set it for at least one")
-        positions = self._positions(arrays.get("pos"), n, n_seq_id, seq_id)
-        return _Step(tokens, positions, token_seqs, seq_id[:, 0].astype(np.int64), bool((n_seq_id == 1).all()),
+        positions = self._positions(arrays.get("pos"), token_seqs, n_seq_id, seq_id)
+        single_seq = bool((n_seq_id == 1).all())
+        decode_only = single_seq and int(token_seqs.sum(axis=0).max()) == 1
+        return _Step(tokens, positions, token_seqs, seq_id[:, 0].astype(np.int64), single_seq, decode_only,
                      np.flatnonzero(logits))
 
     def _sequence_sets(self, n_seq_id: np.ndarray, seq_id: np.ndarray) -> np.ndarray:
         """[T, n_seq_max] bool: the sequences of each token, checked."""
-        bad = np.flatnonzero((n_seq_id < 1) | (n_seq_id > seq_id.shape[1]))
+        width = seq_id.shape[1]
+        bad = np.flatnonzero((n_seq_id < 1) | (n_seq_id > width))
         if len(bad):
-            raise _InvalidInput(f"n_seq_id[{bad[0]}] = {n_seq_id[bad[0]]} is outside [1, {seq_id.shape[1]}]")
+            raise _InvalidInput(f"n_seq_id[{bad[0]}] = {n_seq_id[bad[0]]} is outside [1, {width}]")
+        listed = np.arange(width)[None, :] < n_seq_id[:, None]
+        known = listed & (seq_id >= 0) & (seq_id < self.n_seq_max)
         token_seqs = np.zeros((len(n_seq_id), self.n_seq_max), dtype=bool)
-        for i, count in enumerate(n_seq_id.tolist()):
-            ids = seq_id[i, :count]
-            if ((ids < 0) | (ids >= self.n_seq_max)).any() or len(set(ids.tolist())) != count:
-                raise _InvalidInput(f"seq_id[{i}] = {ids.tolist()}: sequence ids must be distinct and in "
-                                    f"[0, n_seq_max={self.n_seq_max})")
-            token_seqs[i, ids] = True
+        row, col = np.nonzero(known)
+        token_seqs[row, seq_id[row, col]] = True
+        # A token with an unknown id, or one id twice, has fewer sequences than it lists.
+        bad = np.flatnonzero(token_seqs.sum(axis=1) != n_seq_id)
+        if len(bad):
+            i = bad[0]
+            raise _InvalidInput(f"seq_id[{i}] = {seq_id[i, :n_seq_id[i]].tolist()}: sequence ids must be distinct "
+                                f"and in [0, n_seq_max={self.n_seq_max})")
         return token_seqs
 
-    def _positions(self, pos: np.ndarray | None, n: int, n_seq_id: np.ndarray, seq_id: np.ndarray) -> np.ndarray:
+    def _positions(self, pos: np.ndarray | None, token_seqs: np.ndarray, n_seq_id: np.ndarray,
+                   seq_id: np.ndarray) -> np.ndarray:
         """Each token's position (given, or right after its sequences' last); checked to increase
         through the batch for every sequence and to follow what the sequence holds."""
-        last = {}
-        positions = np.empty(n, dtype=np.int64)
-        for i in range(n):
-            ids = seq_id[i, :n_seq_id[i]].tolist()
-            for s in ids:
-                if s not in last:
-                    last[s] = self.cells.pos_max(s)
-            p = max(last[s] for s in ids) + 1 if pos is None else int(pos[i])
-            if not 0 <= p < self.max_position:
-                raise _InvalidInput(f"pos[{i}] = {p} is outside [0, {self.max_position}) (the model's "
-                                    f"max_position_embeddings)")
-            for s in ids:
-                if p <= last[s]:
-                    raise _InvalidInput(
-                        f"pos[{i}] = {p} for sequence {s} is not after its previous position {last[s]}: a "
-                        f"sequence's positions must increase through the batch and follow kv_seq_pos_max")
-                last[s] = p
-            positions[i] = p
+        token, seq = np.nonzero(token_seqs)
+        by_seq = np.argsort(seq, kind="stable")
+        token, seq = token[by_seq], seq[by_seq]  # (token, sequence) pairs, each sequence's in batch order
+        first = np.ones(len(seq), dtype=bool)
+        first[1:] = seq[1:] != seq[:-1]
+        group = np.cumsum(first) - 1
+        held = self.cells.pos_max_of(seq[first])[group]  # what the pair's sequence held before the batch
+        if pos is not None:
+            positions = pos.astype(np.int64)
+        elif len(seq) == len(token_seqs):  # one sequence per token: count on from what each holds
+            positions = np.empty(len(seq), dtype=np.int64)
+            positions[token] = held + 1 + np.arange(len(seq)) - np.flatnonzero(first)[group]
+        else:
+            positions = self._chained_positions(token_seqs, dict(zip(seq.tolist(), held.tolist())))
+        previous = np.where(first, held, positions[np.roll(token, 1)])
+        out_of_order = positions[token] <= previous
+        out_of_range = (positions < 0) | (positions >= self.max_position)
+        bad = np.concatenate([np.flatnonzero(out_of_range), token[out_of_order]])
+        if not len(bad):
+            return positions
+        i = int(bad.min())
+        if out_of_range[i]:
+            raise _InvalidInput(f"pos[{i}] = {positions[i]} is outside [0, {self.max_position}) (the model's "
+                                f"max_position_embeddings)")
+        after = dict(zip(seq[out_of_order & (token == i)].tolist(), previous[out_of_order & (token == i)].tolist()))
+        s = next(s for s in seq_id[i, :n_seq_id[i]].tolist() if s in after)
+        raise _InvalidInput(f"pos[{i}] = {positions[i]} for sequence {s} is not after its previous position "
+                            f"{after[s]}: a sequence's positions must increase through the batch and follow "
+                            f"kv_seq_pos_max")
+
+    @staticmethod
+    def _chained_positions(token_seqs: np.ndarray, last: dict[int, int]) -> np.ndarray:
+        """Missing positions of a batch with tokens in several sequences: each token goes right after
+        the latest of its sequences' positions so far (``last``: what each held before the batch)."""
+        positions = np.empty(len(token_seqs), dtype=np.int64)
+        for i, row in enumerate(token_seqs):
+            ids = np.flatnonzero(row).tolist()
+            positions[i] = p = max(last[s] for s in ids) + 1
+            last.update((s, p) for s in ids)
         return positions
 
-    def _forward(self, step: _Step, cells: np.ndarray) -> torch.Tensor:
+    def _forward(self, step: _Step, cells: np.ndarray, use_graph: bool) -> torch.Tensor:
         """Runs the model over the batch; returns float32 logits of ``step.output_ids`` in that order."""
-        if self._paged is not None and step.single_seq:
-            metadata, order = self._paged_metadata(step, cells)
+        if use_graph:
+            hidden = self._graphs.run(step.tokens, step.positions, step.first_seq, cells)
+            rows = step.output_ids
         else:
-            metadata, order = self._masked_metadata(step, cells), np.arange(len(cells))
-        hidden = self.model(_on(self.device, step.tokens[order]), _on(self.device, step.positions[order]), metadata)
-        row_of_token = np.empty(len(order), dtype=np.int64)
-        row_of_token[order] = np.arange(len(order))
-        return self.model.compute_logits(hidden[_on(self.device, row_of_token[step.output_ids])]).float()
+            if self._paged is not None and step.single_seq:
+                metadata, order = self._paged_metadata(step, cells)
+            else:
+                metadata, order = self._masked_metadata(step, cells), np.arange(len(cells))
+            hidden = self.model(_on(self.device, step.tokens[order]), _on(self.device, step.positions[order]),
+                                metadata)
+            row_of_token = np.empty(len(order), dtype=np.int64)
+            row_of_token[order] = np.arange(len(order))
+            rows = row_of_token[step.output_ids]
+        if (rows == np.arange(len(rows))).all():  # every row from the first (a decode step's usual case)
+            hidden = hidden[:len(rows)]
+        else:
+            hidden = hidden[_on(self.device, rows)]
+        return self.model.compute_logits(hidden).float()
 
     def _paged_metadata(self, step: _Step, cells: np.ndarray) -> tuple[AttentionMetadata, np.ndarray]:
         """Tokens grouped by sequence (batch order kept within each); each sequence's block table is
         its cells by position, then its new cells. Returns the metadata and the token order."""
         order = np.argsort(step.first_seq, kind="stable")
         seqs, query_lens = np.unique(step.first_seq[order], return_counts=True)
-        contexts = [self.cells.seq_cells(int(s)) for s in seqs]
-        context_lens = np.fromiter((len(c) for c in contexts), dtype=np.int64, count=len(seqs))
+        self.cells.sort(seqs)
+        context_lens = self.cells.n_cells[seqs]
         seq_lens = context_lens + query_lens
-        new_cells = cells[order]
         query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:])
-        block_tables = np.zeros((len(seqs), int(seq_lens.max())), dtype=np.int32)
-        for b, context in enumerate(contexts):
-            block_tables[b, :len(context)] = context
-            block_tables[b, len(context):seq_lens[b]] = new_cells[query_start[b]:query_start[b + 1]]
+        # Each row's context, then its new cells over what follows (entries past a row's length are not read).
+        block_tables = self.cells.order[seqs, :int(seq_lens.max())]
+        row = np.repeat(np.arange(len(seqs)), query_lens)
+        block_tables[row, context_lens[row] + np.arange(len(order)) - query_start[row]] = cells[order]
         dev = self.device
         metadata = AttentionMetadata(
             num_tokens=len(cells), num_seqs=len(seqs), block_size=1, max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()), query_start_loc=_on(dev, query_start, np.int32),
             seq_lens=_on(dev, seq_lens, np.int32), block_tables=_on(dev, block_tables),
-            slot_mapping=_on(dev, new_cells, np.int64), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+            slot_mapping=_on(dev, cells[order], np.int64), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             backend=self._paged)
         self._paged.prepare(metadata)
         return metadata, order
