@@ -207,7 +207,7 @@ class NovaInferRunner:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def run(self) -> tuple[dict[str, Any], list[list[int]]]:
-        if not self.engine.kv_cache_manager.reset_prefix_cache():
+        if not self.engine.engine_core.kv_cache_manager.reset_prefix_cache():
             raise RuntimeError("could not empty NovaInfer's prefix cache (blocks still in use)")
         before = self._stats()
         result, tokens = timed_run(self, self.workload)
@@ -298,7 +298,7 @@ class NovaInferRunner:
                            "disable_custom_all_reduce": self.engine.config.parallel_config.disable_custom_all_reduce,
                            "enable_vocab_parallel": self.engine.config.parallel_config.enable_vocab_parallel,
                            "async_scheduling": sched.async_scheduling,
-                           "kv_cache_blocks": self.engine.kv_cache_manager.num_blocks,
+                           "kv_cache_blocks": self.engine.engine_core.kv_cache_manager.num_blocks,
                            "block_size": cache.block_size, "enable_prefix_caching": cache.enable_prefix_caching},
                 "note": "overhead = step time outside executor.execute_model (scheduling + output "
                         "processing), from EngineStats of the timed generate only; the prefix cache is "

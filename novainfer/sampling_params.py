@@ -18,6 +18,7 @@ class RequestOutputKind(enum.Enum):
     """Which outputs a request produces while it runs (vLLM's names)."""
 
     CUMULATIVE = 0  # after every step, the whole output so far (plus the step's delta fields)
+    DELTA = 1  # after every step, only what is new: text, token ids and logprobs of that step
     FINAL_ONLY = 2  # only when it finishes: nothing is built for it on the steps before
 
 

@@ -72,21 +72,21 @@ def test_every_sampling_feature_matches_the_synchronous_engine(engines, vocab_si
     lengths = [(len(expected[i][0][0]), p.min_tokens) for i, p in enumerate(params) if p.min_tokens]
     assert lengths and all(n <= m + 2 for n, m in lengths), f"meant to stop just after min_tokens: {lengths}"
     steps = []
-    execute = pipelined.llm_engine.executor.execute_model
+    execute = pipelined.llm_engine.engine_core.executor.execute_model
 
     def recording(scheduler_output, pipelined=False):
         steps.append(pipelined)
         return execute(scheduler_output, pipelined)
 
-    pipelined.llm_engine.executor.execute_model = recording
+    pipelined.llm_engine.engine_core.executor.execute_model = recording
     try:
         assert completions(pipelined.generate(prompts, params, use_tqdm=False)) == expected
     finally:
-        del pipelined.llm_engine.executor.execute_model
+        del pipelined.llm_engine.engine_core.executor.execute_model
     # Every step is left in flight (penalties included: their counts are kept on the device),
     # except the last one.
     assert sum(steps) == len(steps) - 1, steps
-    assert pipelined.llm_engine.kv_cache_manager.usage == 0.0
+    assert pipelined.llm_engine.engine_core.kv_cache_manager.usage == 0.0
     assert not pipelined.llm_engine.has_unfinished_requests()
 
 
@@ -95,14 +95,14 @@ def test_length_limits_end_requests_without_a_step_past_them(model_dir, vocab_si
     request computes its prompt and its outputs but the last, and not one token more."""
     llm = LLM(str(model_dir), async_scheduling=True, max_model_len=24, **ENGINE)
     scheduled = {}
-    execute = llm.llm_engine.executor.execute_model
+    execute = llm.llm_engine.engine_core.executor.execute_model
 
     def counting(scheduler_output, pipelined=False):
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             scheduled[rid] = scheduled.get(rid, 0) + n
         return execute(scheduler_output, pipelined)
 
-    llm.llm_engine.executor.execute_model = counting
+    llm.llm_engine.engine_core.executor.execute_model = counting
     rng = random.Random(3)
     prompts = [random_ids(rng, n, vocab_size) for n in (20, 23, 6, 9)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (64, 64, 3, 5)]
@@ -128,7 +128,7 @@ def test_abort_and_reuse_of_an_id_while_its_step_is_in_flight(engines, model_dir
     for _ in range(3):
         for out in engine.step():
             assert out.request_id != "r" or not out.finished
-    assert engine._in_flight is not None, "the test needs a step in flight"
+    assert engine.engine_core._in_flight, "the test needs a step in flight"
     [aborted] = engine.abort_request("r")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     engine.add_request("r", {"prompt_token_ids": new}, greedy)
@@ -137,7 +137,7 @@ def test_abort_and_reuse_of_an_id_while_its_step_is_in_flight(engines, model_dir
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
     assert finished == {"r": hf_greedy(model_dir, new, 6), "other": hf_greedy(model_dir, other, 6)}
-    assert engine.kv_cache_manager.usage == 0.0 and engine._in_flight is None
+    assert engine.engine_core.kv_cache_manager.usage == 0.0 and not engine.engine_core._in_flight
 
 
 # ---------------------------------------------------------------- each setting, under preemption
@@ -177,9 +177,9 @@ def test_each_setting_with_preemption_matches_the_synchronous_engine(engines, sq
     params = [SamplingParams(seed=100 + i, max_tokens=12, **SETTINGS[name], **extra) for i in range(4)]
     params += [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 2
     expected = completions(sync.generate(prompts, params, use_tqdm=False), expected=True)
-    before = squeezed.llm_engine.stats.num_preemptions_total
+    before = squeezed.llm_engine.get_stats().num_preemptions_total
     assert completions(squeezed.generate(prompts, params, use_tqdm=False)) == expected
-    assert squeezed.llm_engine.stats.num_preemptions_total > before, "the test needs preemption"
+    assert squeezed.llm_engine.get_stats().num_preemptions_total > before, "the test needs preemption"
     if name == "min_tokens":
         assert all(len(e[0][0]) <= 8 for e in expected[:4]), "meant to stop just after min_tokens"
-    assert squeezed.llm_engine.kv_cache_manager.usage == 0.0
+    assert squeezed.llm_engine.engine_core.kv_cache_manager.usage == 0.0

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from novainfer import LLM, SamplingParams
-from novainfer.engine.request import RequestStatus
+from novainfer.core.sched.request import RequestStatus
 from tests.utils import SMALL_KV, hf_greedy, random_ids
 
 MAX_TOKENS = 16
@@ -50,14 +50,14 @@ def as_inputs(prompts):
 
 def assert_no_leaks(llm: LLM) -> None:
     engine = llm.llm_engine
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} KV blocks still held"
     assert kv.usage == 0.0
-    sched = engine.scheduler
+    sched = engine.engine_core.scheduler
     assert not sched.requests and not sched.running and not sched.waiting
     assert not engine.has_unfinished_requests()
     assert engine.get_num_unfinished_requests() == 0
-    assert not engine.output_processor.parents and not engine.output_processor.child_to_parent
+    assert not engine.output_processor.parents and not engine.output_processor.children
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -100,7 +100,7 @@ def test_batch_matches_transformers(model_dir, prompts, reference, config):
     llm = LLM(str(model_dir), **BATCH_CONFIGS[config])
     outputs = llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, prompts, reference)
-    stats = llm.llm_engine.stats
+    stats = llm.llm_engine.get_stats()
     if config.startswith("preemption"):
         assert stats.num_preemptions_total > 0, "the KV cache was meant to be too small for the batch"
     assert stats.finished_requests_total["length"] == len(prompts)
@@ -122,7 +122,7 @@ def test_prefix_caching_on_and_off(model_dir, prompts, reference, enable_prefix_
     second = llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False)
     assert_matches_reference(second, prompts, reference)
     assert_no_leaks(llm)
-    stats = llm.llm_engine.kv_cache_manager.prefix_cache_stats
+    stats = llm.llm_engine.engine_core.kv_cache_manager.prefix_cache_stats
     cached = [out.num_cached_tokens for out in second]
     if enable_prefix_caching:
         assert stats.hits > 0
@@ -172,8 +172,8 @@ def test_abort_frees_everything_and_spares_the_others(model_dir, prompts, refere
     for _ in range(3):
         for out in engine.step():
             assert not out.finished
-    running = [rid for rid in ids if engine.scheduler.requests[rid].status == RequestStatus.RUNNING]
-    waiting = [rid for rid in ids if engine.scheduler.requests[rid].status == RequestStatus.WAITING]
+    running = [rid for rid in ids if engine.engine_core.scheduler.requests[rid].status == RequestStatus.RUNNING]
+    waiting = [rid for rid in ids if engine.engine_core.scheduler.requests[rid].status == RequestStatus.WAITING]
     assert running and waiting, "the test needs both running and waiting requests to abort"
     to_abort = [running[0], waiting[-1], "siblings"]
     aborted = engine.abort_request(to_abort)
@@ -194,10 +194,10 @@ def test_abort_frees_everything_and_spares_the_others(model_dir, prompts, refere
     for rid, prompt in zip(ids, prompts):
         if rid in finished:
             assert finished[rid].outputs[0].token_ids == reference(prompt)
-    assert engine.stats.finished_requests_total["abort"] == 4  # 2 requests + 2 siblings
+    assert engine.get_stats().finished_requests_total["abort"] == 4  # 2 requests + 2 siblings
     assert_no_leaks(llm)
     # The workers forget aborted requests too (told on the next step).
-    runner = engine.executor.driver_worker.model_runner
+    runner = engine.engine_core.executor.driver_worker.model_runner
     assert not set(runner.requests) & {*to_abort, "0_siblings", "1_siblings"}
 
 
@@ -229,7 +229,7 @@ def test_n_siblings_with_prefix_caching(model_dir, vocab_size):
         assert all(0 <= t < vocab_size for t in c.token_ids)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "siblings must not share one random stream"
     # The siblings share the prompt's full blocks instead of computing them three times.
-    assert llm.llm_engine.kv_cache_manager.prefix_cache_stats.hits > 0
+    assert llm.llm_engine.engine_core.kv_cache_manager.prefix_cache_stats.hits > 0
     assert_no_leaks(llm)
 
     # Same seeds without prefix caching: the same completions.
@@ -247,5 +247,5 @@ def test_n_greedy_siblings_sharing_blocks_match_transformers(model_dir, prompts,
     assert [c.index for c in out.outputs] == [0, 1, 2]
     for c in out.outputs:
         assert c.token_ids == reference(prompt)
-    assert llm.llm_engine.kv_cache_manager.prefix_cache_stats.hits > 0
+    assert llm.llm_engine.engine_core.kv_cache_manager.prefix_cache_stats.hits > 0
     assert_no_leaks(llm)

@@ -11,7 +11,7 @@ import torch
 
 from novainfer import LLM, SamplingParams
 from novainfer.config import ParallelConfig, normalize_parallel_config
-from novainfer.engine.request import InvalidStatusTransition, Request, RequestStatus
+from novainfer.core.sched.request import InvalidStatusTransition, Request, RequestStatus
 from tests.utils import hf_greedy, random_ids
 
 MAX_MODEL_LEN = 48
@@ -35,10 +35,10 @@ def expected(model_dir, good_prompt):
 
 def assert_no_leaks(llm: LLM) -> None:
     engine = llm.llm_engine
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.usage == 0.0
-    assert not engine.scheduler.requests and not engine.scheduler.waiting and not engine.scheduler.running
-    assert not engine.output_processor.parents and not engine.output_processor.child_to_parent
+    assert not engine.engine_core.scheduler.requests and not engine.engine_core.scheduler.waiting and not engine.engine_core.scheduler.running
+    assert not engine.output_processor.parents and not engine.output_processor.children
 
 
 def assert_still_serves(llm: LLM, good_prompt, expected) -> None:

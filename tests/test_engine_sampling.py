@@ -36,9 +36,9 @@ def token_ids(outputs) -> list[list[int]]:
 
 def assert_no_leaks(llm: LLM) -> None:
     engine = llm.llm_engine
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.usage == 0.0
-    assert not engine.scheduler.requests and not engine.has_unfinished_requests()
+    assert not engine.engine_core.scheduler.requests and not engine.has_unfinished_requests()
 
 
 # ---------------------------------------------------------------- seeded sampling
@@ -78,7 +78,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model_dir, llm, vocab_size
     # Another engine: chunked prefill under a tiny budget and a cache small enough to preempt.
     small = LLM(str(model_dir), block_size=4, max_num_batched_tokens=6, num_gpu_blocks_override=16)
     squeezed = small.generate(prompts, params_list, use_tqdm=False)
-    assert small.llm_engine.stats.num_preemptions_total > 0
+    assert small.llm_engine.get_stats().num_preemptions_total > 0
     assert squeezed[2].outputs[0].token_ids == alone[0].outputs[0].token_ids
     # Greedy neighbours are not disturbed by the random ones either.
     assert squeezed[1].outputs[0].token_ids == batched[1].outputs[0].token_ids
@@ -214,5 +214,5 @@ def test_greedy_penalties_match_a_reference_over_the_whole_history(model_dir, ll
     small = LLM(str(model_dir), block_size=4, max_num_batched_tokens=5, num_gpu_blocks_override=10,
                 async_scheduling=True)
     assert token_ids(small.generate(inputs, params, use_tqdm=False)) == [[e] for e in expected]
-    assert small.llm_engine.stats.num_preemptions_total > 0
+    assert small.llm_engine.get_stats().num_preemptions_total > 0
     assert_no_leaks(small)

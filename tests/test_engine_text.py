@@ -63,9 +63,9 @@ def stream(llm, prompts, params) -> tuple[dict[str, list[str]], dict[str, list[l
 
 def assert_no_leaks(llm: LLM) -> None:
     engine = llm.llm_engine
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.usage == 0.0
-    assert not engine.scheduler.requests and not engine.output_processor.parents
+    assert not engine.engine_core.scheduler.requests and not engine.output_processor.parents
 
 
 def pick_stop_string(tokenizer, ids: list[int], text: str) -> tuple[str, int]:

@@ -62,7 +62,7 @@ def test_greedy_matches_transformers(name):
     expected = [hf_greedy(model_dir, p, GREEDY.max_tokens) for p in prompts]
     llm = LLM(str(model_dir), **ENGINE)
     try:
-        assert type(llm.llm_engine.executor.driver_worker.model_runner.model).__name__ == "LlamaForCausalLM"
+        assert type(llm.llm_engine.engine_core.executor.driver_worker.model_runner.model).__name__ == "LlamaForCausalLM"
         assert tokens(engine_greedy(llm, prompts)) == expected
         # Again, now from the prefix cache: the same tokens from cached KV blocks.
         again = engine_greedy(llm, prompts)

@@ -25,7 +25,7 @@ def test_mock_model_runs_through_the_engine(tmp_path):
     for prompt, out in zip(prompts, outputs):
         expected = [(prompt[-1] + i) % vocab for i in range(1, 7)]
         assert out.outputs[0].token_ids == expected
-    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.kv_cache_manager.num_blocks
+    assert llm.llm_engine.engine_core.kv_cache_manager.num_free_blocks == llm.llm_engine.engine_core.kv_cache_manager.num_blocks
 
 
 def test_unregistered_architecture_names_it_and_the_supported_ones(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 
 from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.sched.scheduler import MIN_MIXED_PROMPT_CHUNK, Scheduler, SchedulerConfig
-from novainfer.engine.request import Request
+from novainfer.core.sched.request import Request
 from novainfer.sampling_params import SamplingParams
 
 

@@ -27,8 +27,9 @@ KV_BYTES = 8 << 20
 
 
 def make_engine(name: str = "tiny") -> AsyncLLMEngine:
+    """An engine whose core runs in a thread of this process, where a test can break its steps."""
     return AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model()), kv_cache_memory_bytes=KV_BYTES),
-                                           name=name)
+                                           name=name, multiprocess=False)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_async_engine_validation_error_and_abort_frees_blocks():
 
 
 def _break_after(engine: AsyncLLMEngine, num_steps: int) -> None:
-    real_step = engine.engine.step
+    real_step = engine.engine_core.step
     calls = {"n": 0}
 
     def step():
@@ -98,7 +99,7 @@ def _break_after(engine: AsyncLLMEngine, num_steps: int) -> None:
             raise RuntimeError("simulated device failure")
         return real_step()
 
-    engine.engine.step = step
+    engine.engine_core.step = step
 
 
 def test_async_engine_death_fails_in_flight_and_new_requests():

@@ -343,7 +343,7 @@ def test_uni_greedy_matches_single_rank(tp_model, prompts, expected, tp, vocab_p
     llm = LLM(str(tp_model), tensor_parallel_size=tp, enable_vocab_parallel=vocab_parallel,
               async_scheduling=async_scheduling, **ENGINE)
     try:
-        executor = llm.llm_engine.executor
+        executor = llm.llm_engine.engine_core.executor
         assert [w.rank for w in executor.workers] == list(range(tp))
         attn = executor.workers[tp - 1].model_runner.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (8 // tp, 4 // tp)
@@ -386,7 +386,7 @@ def test_exactly_two_all_reduces_per_decoder_layer(tp_model, prompts, vocab_para
     llm = LLM(str(tp_model), tensor_parallel_size=2, enable_vocab_parallel=vocab_parallel, **ENGINE)
     try:
         totals, per_layer, forwards = [], [], []
-        for worker in llm.llm_engine.executor.workers:
+        for worker in llm.llm_engine.engine_core.executor.workers:
             counter, layer_counts, model_calls = Counter(), [], []
             _count(worker.tp_group, counter)
             model = worker.model_runner.model
@@ -399,7 +399,7 @@ def test_exactly_two_all_reduces_per_decoder_layer(tp_model, prompts, vocab_para
             per_layer.append(layer_counts)
             forwards.append(model_calls)
         greedy_tokens(llm, prompts[:2])
-        num_layers = len(llm.llm_engine.executor.workers[0].model_runner.model.model.layers)
+        num_layers = len(llm.llm_engine.engine_core.executor.workers[0].model_runner.model.model.layers)
         for counter, layer_counts, model_calls in zip(totals, per_layer, forwards):
             steps = len(model_calls)
             assert steps > 0 and layer_counts == [2] * (num_layers * steps)
@@ -420,14 +420,14 @@ def test_each_rank_caches_only_its_kv_heads(tp_model):
         per_rank_bytes = {}
         for tp, llm in engines.items():
             sizes = set()
-            for worker in llm.llm_engine.executor.workers:
+            for worker in llm.llm_engine.engine_core.executor.workers:
                 layers = worker.model_runner.model.attention_layers()
                 assert all(layer.k_cache.shape[2] == 4 // tp == layer.num_kv_heads for layer in layers)
                 sizes.add(sum(layer.k_cache.nbytes + layer.v_cache.nbytes for layer in layers))
             assert len(sizes) == 1  # the same block count, and table, on every rank
             per_rank_bytes[tp] = sizes.pop()
             assert per_rank_bytes[tp] <= budget
-        blocks = {tp: llm.llm_engine.kv_cache_manager.num_blocks for tp, llm in engines.items()}
+        blocks = {tp: llm.llm_engine.engine_core.kv_cache_manager.num_blocks for tp, llm in engines.items()}
         # Half the KV heads per rank: the same per-rank budget holds twice the blocks.
         assert blocks[2] == 2 * blocks[1]
         assert per_rank_bytes[2] / blocks[2] == per_rank_bytes[1] / blocks[1] / 2
@@ -446,7 +446,7 @@ def test_random_sampling_on_the_driver_rank_only(tp_model, prompts, vocab_parall
     llm = LLM(str(tp_model), tensor_parallel_size=2, enable_vocab_parallel=vocab_parallel,
               async_scheduling=async_scheduling, **ENGINE)
     try:
-        follower = llm.llm_engine.executor.workers[1].model_runner
+        follower = llm.llm_engine.engine_core.executor.workers[1].model_runner
 
         def not_on_this_rank(*args, **kwargs):
             raise AssertionError("a non-driver rank staged or sampled a step")
@@ -474,7 +474,7 @@ def check_random_sampling(llm: LLM, model_dir, prompts: list[list[int]]) -> None
 # ---- failures ------------------------------------------------------------------------------------
 def _fail_rank(llm: LLM, rank: int, replacement) -> None:
     """Replaces what a non-driver rank of a ``uni`` executor runs in a step (the driver's step)."""
-    llm.llm_engine.executor.workers[rank].model_runner.run_staged = replacement
+    llm.llm_engine.engine_core.executor.workers[rank].model_runner.run_staged = replacement
 
 
 def test_a_raising_rank_fails_the_step_naming_it(tp_model, prompts, caplog):
@@ -518,7 +518,7 @@ def test_a_driver_failing_before_staging_releases_the_other_ranks(tp_model, prom
     llm = LLM(str(tp_model), tensor_parallel_size=2, **ENGINE)
     try:
         greedy_tokens(llm, prompts[:1])
-        executor = llm.llm_engine.executor
+        executor = llm.llm_engine.engine_core.executor
 
         def boom(*args, **kwargs):
             raise RuntimeError("injected failure")
@@ -536,7 +536,7 @@ def test_a_driver_failing_before_staging_releases_the_other_ranks(tp_model, prom
 def test_a_hung_rank_times_out_naming_it(tp_model, prompts):
     llm = LLM(str(tp_model), tensor_parallel_size=2, **ENGINE)
     try:
-        executor = llm.llm_engine.executor
+        executor = llm.llm_engine.engine_core.executor
         executor.execute_model_timeout_s = 0.5
         runner = executor.workers[1].model_runner
         release = threading.Event()

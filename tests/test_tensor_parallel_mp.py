@@ -54,11 +54,11 @@ def mp_tp2(tp_model):
     llm = LLM(str(tp_model), tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
     yield llm
     llm.llm_engine.shutdown()
-    assert_workers_gone(llm.llm_engine.executor)
+    assert_workers_gone(llm.llm_engine.engine_core.executor)
 
 
 def test_mp_tp2_greedy_matches_single_rank(mp_tp2, prompts, expected):
-    pids = mp_tp2.llm_engine.executor.worker_pids
+    pids = mp_tp2.llm_engine.engine_core.executor.worker_pids
     assert len(set(pids)) == 2 and os.getpid() not in pids
     assert greedy_tokens(mp_tp2, prompts) == expected
 
@@ -66,7 +66,7 @@ def test_mp_tp2_greedy_matches_single_rank(mp_tp2, prompts, expected):
 def test_rendezvous_port_is_bound_by_the_launcher_before_workers_start(mp_tp2):
     # Choosing a free port, closing it and letting rank 0 bind it later raced with any other run
     # doing the same; the launcher now serves the store itself, on a port it never let go of.
-    address = mp_tp2.llm_engine.executor._init_method
+    address = mp_tp2.llm_engine.engine_core.executor._init_method
     assert address.startswith(HOSTED_STORE_SCHEME)
     host, _, port = address[len(HOSTED_STORE_SCHEME):].rpartition(":")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock, pytest.raises(OSError):
@@ -78,7 +78,7 @@ def test_rendezvous_port_is_bound_by_the_launcher_before_workers_start(mp_tp2):
 def test_mp_tp4_vocab_parallel_greedy_matches_single_rank(tp_model, prompts, expected):
     llm = LLM(str(tp_model), tensor_parallel_size=4, distributed_executor_backend="mp",
               enable_vocab_parallel=True, **ENGINE)
-    executor = llm.llm_engine.executor
+    executor = llm.llm_engine.engine_core.executor
     try:
         assert len(set(executor.worker_pids)) == 4
         assert greedy_tokens(llm, prompts) == expected
@@ -96,7 +96,7 @@ def test_mp_async_scheduling_matches_single_rank(tp_model, prompts, expected):
     each rank received with the sampled tokens)."""
     llm = LLM(str(tp_model), tensor_parallel_size=2, distributed_executor_backend="mp", async_scheduling=True,
               **ENGINE)
-    executor = llm.llm_engine.executor
+    executor = llm.llm_engine.engine_core.executor
     try:
         assert greedy_tokens(llm, prompts) == expected
         check_random_sampling(llm, tp_model, prompts[:2])
@@ -107,7 +107,7 @@ def test_mp_async_scheduling_matches_single_rank(tp_model, prompts, expected):
 
 def test_gloo_group_collectives_match_pytorch(mp_tp2):
     """Every collective of the workers' Gloo group (sync and async) against PyTorch, on both ranks."""
-    executor = mp_tp2.llm_engine.executor
+    executor = mp_tp2.llm_engine.engine_core.executor
     assert executor.collective_rpc(check_collectives_on_worker) == ["TorchDistributedProcessGroup"] * 2
 
 
@@ -144,16 +144,16 @@ def _kill_when(condition, pid: int, sig: int = signal.SIGKILL, timeout_s: float 
 def test_killed_worker_fails_generate_cleanly(tp_model, prompts):
     llm = LLM(str(tp_model), tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
     engine = llm.llm_engine
-    executor = engine.executor
+    executor = engine.engine_core.executor
     try:
-        _kill_when(lambda: engine.stats.num_steps >= 3, executor.workers[1].process.pid)
+        _kill_when(lambda: engine.get_stats().num_steps >= 3, executor.workers[1].process.pid)
         started = time.monotonic()
         with pytest.raises(WorkerError) as info:
             llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], LONG, use_tqdm=False)
         assert time.monotonic() - started < 20
         assert (info.value.rank, info.value.local_rank) == (1, 1)
         assert "rank=1 local_rank=1" in str(info.value) and "SIGKILL" in str(info.value)
-        assert engine.stats.num_steps < LONG.max_tokens  # it failed mid-generation
+        assert engine.get_stats().num_steps < LONG.max_tokens  # it failed mid-generation
         assert not engine.has_unfinished_requests()  # the in-flight requests were aborted
         # The executor stopped the surviving rank by itself, before anyone called shutdown.
         assert_workers_gone(executor)
@@ -165,8 +165,9 @@ def test_killed_worker_fails_generate_cleanly(tp_model, prompts):
 
 def test_killed_worker_fails_async_requests_cleanly(tp_model, prompts):
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tp_model), tensor_parallel_size=2,
-                                                        distributed_executor_backend="mp", **ENGINE))
-    executor = engine.engine.executor
+                                                        distributed_executor_backend="mp", **ENGINE),
+                                             multiprocess=False)
+    executor = engine.engine_core.executor
     victim = executor.workers[0].process.pid
 
     async def consume() -> BaseException:
@@ -200,11 +201,11 @@ def test_killed_worker_fails_async_requests_cleanly(tp_model, prompts):
 def test_stopped_worker_times_out_instead_of_hanging(tp_model, prompts):
     llm = LLM(str(tp_model), tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
     engine = llm.llm_engine
-    executor = engine.executor
+    executor = engine.engine_core.executor
     executor.execute_model_timeout_s = 1.0
     try:
         # A stopped process is alive but never answers: only the timeout can tell.
-        _kill_when(lambda: engine.stats.num_steps >= 2, executor.workers[1].process.pid, signal.SIGSTOP)
+        _kill_when(lambda: engine.get_stats().num_steps >= 2, executor.workers[1].process.pid, signal.SIGSTOP)
         started = time.monotonic()
         with pytest.raises(ExecutorTimeoutError) as info:
             llm.generate([{"prompt_token_ids": prompts[0]}], LONG, use_tqdm=False)

@@ -1,93 +1,55 @@
-"""AsyncLLMEngine: an LLMEngine driven by one background thread, consumed from asyncio.
+"""AsyncLLMEngine: the front-end of an engine core that runs its own loop, consumed from asyncio.
 
-The engine is not thread-safe, so exactly one thread (the *engine thread*) ever touches it. The
-event loop talks to that thread through a command queue (add, abort, stop) that the thread drains
-between steps; results travel back through one ``asyncio.Queue`` per request, fed with
-``loop.call_soon_threadsafe``. A model step therefore never runs on, nor blocks, the event loop.
+The core (scheduler, KV cache, model) runs in an engine-core process (the default: the server's
+layout) or in a thread of this process (``multiprocess=False``: embedding, tests); either way it
+is reached through :class:`~novainfer.engine.core_client.CoreClient`'s ZMQ sockets. Everything
+else happens on the event loop: tokenization and validation (``InputProcessor``), detokenization,
+stop strings and n>1 gathering (``OutputProcessor``). Adds and aborts made during one turn of the
+event loop go to the core as one batch. A receiver thread waits for the core's messages and wakes
+the loop once per batch of steps; the loop then feeds every request stream touched.
 
-If a step raises, the engine is *dead*: every in-flight request fails with
-:class:`EngineDeadError`, new requests are refused, and ``is_healthy`` turns false.
+If the core dies, every in-flight request fails with :class:`EngineDeadError`, new requests are
+refused, and ``is_healthy`` turns false.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import dataclasses
 import logging
-import os
-import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
+from novainfer.config import EngineConfig
+from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from novainfer.engine.arg_utils import EngineArgs
-from novainfer.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from novainfer.engine.core_client import CoreClient, EngineDeadError
+from novainfer.engine.core_proc import MIN_STEP_S_ENV, TEST_STALL_FILE_ENV
+from novainfer.engine.llm_engine import EngineStats
+from novainfer.engine.output_processor import OutputProcessor
+from novainfer.engine.processor import InputProcessor, PromptType
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
+from novainfer.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# How long the idle engine thread sleeps on its command queue before checking again.
-_IDLE_POLL_S = 0.5
-# How long it waits when requests exist but nothing could be scheduled (e.g. KV cache full).
-_STALL_POLL_S = 0.002
-# Test-only hooks, read from the environment when the engine starts; never set them otherwise.
-# The least time a step takes (the thread sleeps out the rest), so that a browser test can act
-# while an answer is still streaming however fast the machine is:
-MIN_STEP_S_ENV = "NOVAINFER_TEST_MIN_STEP_S"
-# While the file named here exists, the engine thread waits before each step, as a hung device
-# would, so that tests can watch the watchdog notice:
-TEST_STALL_FILE_ENV = "NOVAINFER_TEST_STALL_FILE"
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineLoad", "MIN_STEP_S_ENV", "RequestStream",
+           "TEST_STALL_FILE_ENV"]
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop crashed (or was shut down); no request can be served by it any more."""
+# How long the receiver thread waits for the core before looking whether it should stop.
+_RECEIVE_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """What the engine has queued, for admission control: pending adds count as waiting."""
+    """What the engine has queued, for admission control."""
 
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_prompt_tokens: int = 0
-
-
-# ---- commands from the event loop to the engine thread -------------------------------------------
-@dataclass
-class _Add:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    arrival_time: float | None
-    stream: RequestStream
-    future: asyncio.Future
-    num_prompt_tokens: int  # as counted by the caller, for the pending-load bookkeeping
-    num_seqs: int
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Stop:
-    pass
-
-
-def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Completes ``future`` on its own loop (call through ``call_soon_threadsafe``)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 class RequestStream:
@@ -97,19 +59,14 @@ class RequestStream:
     the request in the engine, so a vanished client never keeps generating.
     """
 
-    def __init__(self, request_id: str, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
 
-    # Called from the engine thread.
-    def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -136,59 +93,53 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """Serves an :class:`LLMEngine` to asyncio code; see the module docstring for the design."""
+    """Serves an engine core to asyncio code; see the module docstring for the design. All methods
+    but ``shutdown`` and the read-only properties are called from the event loop's thread."""
 
-    def __init__(self, engine: LLMEngine, name: str = "engine", start: bool = True) -> None:
-        self.engine = engine
+    def __init__(self, config: EngineConfig, name: str = "engine", log_stats_interval: float = 5.0,
+                 multiprocess: bool = True) -> None:
         self.name = name
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._lock = threading.Lock()  # guards the fields below
+        self.model_config = config.model_config
+        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
+        self.core = CoreClient(config, log_stats_interval, name, in_thread=not multiprocess)
+        self.processor = InputProcessor(self.model_config, self.tokenizer, self.core.info.kv_capacity)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._receiver: threading.Thread | None = None
+        self._pending_adds: list[EngineCoreRequest] = []
+        self._pending_aborts: list[str] = []
+        self._flush_scheduled = False
         self._dead_error: EngineDeadError | None = None
         self._stopped = False
-        self._pending_adds = 0
-        self._pending_tokens = 0
-        self._load = EngineLoad()
-        self._stats = copy.deepcopy(engine.get_stats())
-        self._thread: threading.Thread | None = None
-        # Progress, written by the engine thread only: whether it has work, and when it last
-        # finished a step (or got work while idle).
-        self._busy = False
+        # When the core last reported a step (or got work while idle), for the stall watchdog.
         self._progress_time = time.monotonic()
-        self._stall_file = os.environ.get(TEST_STALL_FILE_ENV)
-        self._min_step_s = float(os.environ.get(MIN_STEP_S_ENV) or 0.0)
-        if start:
-            self.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, name: str = "engine", start: bool = True) -> AsyncLLMEngine:
-        """Builds (loads) the engine in the calling thread, then starts its loop."""
-        return cls(LLMEngine.from_engine_args(args), name=name, start=start)
+    def from_engine_args(cls, args: EngineArgs, name: str = "engine", multiprocess: bool = True) -> AsyncLLMEngine:
+        """Starts the engine core (loading the model) and waits until it is ready."""
+        return cls(args.create_engine_config(), name=name, log_stats_interval=args.log_stats_interval,
+                   multiprocess=multiprocess)
+
+    @property
+    def engine_core(self):
+        """The EngineCore itself when it runs in this process (``multiprocess=False``), else None."""
+        return self.core.engine_core
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is not None:
+    def shutdown(self) -> None:
+        """Stops the core (in-flight requests fail) and its workers."""
+        if self._stopped:
             return
-        self._thread = threading.Thread(target=self._run, name=f"novainfer-engine-{self.name}", daemon=True)
-        self._thread.start()
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the loop (in-flight requests fail) and releases the executor."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        self._commands.put(_Stop())
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        try:
-            self.engine.shutdown()
-        except Exception:  # shutting down must not raise
-            logger.exception("engine %s: executor shutdown failed", self.name)
+        self._stopped = True
+        if self._receiver is not None and self._receiver is not threading.current_thread():
+            self._receiver.join(10 * _RECEIVE_POLL_S)
+        self.core.shutdown()
+        self._notify_dead(EngineDeadError(f"engine {self.name} is shut down"))
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead_error is None
+        return self._dead_error is None and self.core.is_alive()
 
     @property
     def is_healthy(self) -> bool:
@@ -196,44 +147,37 @@ class AsyncLLMEngine:
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        return self._dead_error
+        return self._dead_error or self.core.dead_error
 
     def seconds_without_progress(self) -> float:
-        """Seconds since the engine last finished a step while it has work (0 when idle)."""
-        return time.monotonic() - self._progress_time if self._busy else 0.0
+        """Seconds since the core last reported a step while it has work (0 when idle)."""
+        if not self.output_processor.has_unfinished_requests():
+            return 0.0
+        return time.monotonic() - self._progress_time
 
     # ---- public API (event loop) ----------------------------------------------------------------
     def get_tokenizer(self):
-        return self.engine.get_tokenizer()
-
-    @property
-    def model_config(self):
-        return self.engine.model_config
+        return self.tokenizer
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                           arrival_time: float | None = None, num_prompt_tokens: int = 0) -> RequestStream:
-        """Queues a request; returns its output stream once the engine accepted it.
+        """Queues a request; returns its output stream.
 
-        Bad input raises here (ValueError/TypeError from the engine's validation), before any
-        output exists, so that a server can answer 400 instead of starting a stream.
+        Bad input raises here (ValueError/TypeError naming the field), before any output exists,
+        so that a server can answer 400 instead of starting a stream.
         """
-        params = params if params is not None else SamplingParams()
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, loop)
-        future = loop.create_future()
-        num_seqs = getattr(params, "n", 1) if isinstance(params, SamplingParams) else 1
-        command = _Add(request_id, prompt, params, arrival_time, stream, future, num_prompt_tokens, num_seqs)
-        with self._lock:
-            self._raise_if_unavailable()
-            self._pending_adds += num_seqs
-            self._pending_tokens += num_prompt_tokens
-            self._commands.put(command)
-        try:
-            await future
-        except asyncio.CancelledError:
-            # The caller went away while the engine was adding: make sure nothing keeps running.
-            self.abort(request_id)
-            raise
+        self._raise_if_unavailable()
+        self._bind_loop()
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids, params, children = self.processor.process(request_id, prompt, params, arrival_time)
+        if not self.output_processor.has_unfinished_requests():
+            self._progress_time = time.monotonic()  # the watchdog counts from here
+        self.output_processor.add_request(request_id, text, token_ids, params.output_kind, children)
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._pending_adds += children
+        self._schedule_flush()
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -246,161 +190,127 @@ class AsyncLLMEngine:
             yield output
 
     def abort(self, request_id: str) -> None:
-        """Aborts a request (no-op if unknown or finished); its KV blocks are freed by the loop."""
-        with self._lock:
-            if self._dead_error is not None or self._stopped:
-                return
-            self._commands.put(_Abort(request_id))
+        """Aborts a request (no-op if unknown or finished); the core frees its KV blocks."""
+        if self._dead_error is not None or self._stopped:
+            return
+        output, core_ids = self.output_processor.abort(request_id, time.time())
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and output is not None:
+            stream.put(output)
+        if core_ids:
+            self._pending_aborts += core_ids
+            self._schedule_flush()
 
     def get_stats(self) -> EngineStats:
-        """A snapshot of the engine's stats, refreshed by the engine thread after every step."""
-        with self._lock:
-            return self._stats
+        """The core's stats of its latest step, with the front-end's finish counts."""
+        return EngineStats.from_core(self.core.stats, self.output_processor.finished_requests_total)
 
     def get_load(self) -> EngineLoad:
-        """Running and waiting requests now, counting adds not yet seen by the engine thread."""
-        with self._lock:
-            load = self._load
-            return dataclasses.replace(load, num_waiting=load.num_waiting + self._pending_adds,
-                                       num_waiting_prompt_tokens=load.num_waiting_prompt_tokens
-                                       + self._pending_tokens)
+        """Sequences running and waiting (not yet given a token), as the front-end sees them."""
+        load = self.output_processor.load
+        return EngineLoad(load.num_running, load.num_waiting, load.num_waiting_prompt_tokens)
 
     def _raise_if_unavailable(self) -> None:
-        if self._dead_error is not None:
-            raise self._dead_error
+        if self.dead_error is not None:
+            raise self.dead_error
         if self._stopped:
             raise EngineDeadError(f"engine {self.name} is shut down")
 
-    # ---- the engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        logger.debug("engine %s: loop started", self.name)
-        try:
-            while True:
-                if not self._process_commands(block=not self.engine.has_unfinished_requests()):
-                    break
-                self._publish()  # gauges see added and aborted requests before a long step
-                if not self.engine.has_unfinished_requests():
-                    self._busy = False
-                    continue
-                if not self._busy:
-                    self._progress_time, self._busy = time.monotonic(), True
-                self._wait_while_test_stalled()
-                steps_before = self.engine.stats.num_steps
-                started = time.monotonic()
-                outputs = self.engine.step()
-                if self._min_step_s:
-                    time.sleep(max(0.0, started + self._min_step_s - time.monotonic()))
-                if self.engine.stats.num_steps != steps_before:
-                    self._progress_time = time.monotonic()
-                self._publish()  # before dispatching: whoever sees an output sees the stats of its step
-                self._dispatch(outputs)
-                if self.engine.stats.num_steps == steps_before:
-                    # Nothing could be scheduled (e.g. the KV cache is full): wait a little, not spin.
-                    if not self._process_commands(block=True, timeout=_STALL_POLL_S):
-                        break
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, never silently
-            logger.exception("engine %s: loop died", self.name)
-            self._die(exc)
+    # ---- to the core ----------------------------------------------------------------------------
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
             return
-        self._die(None)
-        logger.debug("engine %s: loop stopped", self.name)
+        if self._loop is not None and self._loop.is_running():
+            raise RuntimeError(f"engine {self.name} is already served by another event loop")
+        self._loop = loop
+        if self._receiver is None:
+            self._receiver = threading.Thread(target=self._receive, name=f"novainfer-receiver-{self.name}",
+                                              daemon=True)
+            self._receiver.start()
 
-    def _wait_while_test_stalled(self) -> None:
-        while self._stall_file is not None and os.path.exists(self._stall_file) and not self._stopped:
-            time.sleep(0.05)
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
 
-    def _process_commands(self, block: bool, timeout: float = _IDLE_POLL_S) -> bool:
-        """Runs queued commands (waiting for one when ``block``); False once asked to stop."""
+    def _flush(self) -> None:
+        """Sends this turn's adds, then its aborts, each as one message."""
+        self._flush_scheduled = False
+        adds, self._pending_adds = self._pending_adds, []
+        aborts, self._pending_aborts = self._pending_aborts, []
         try:
-            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if isinstance(command, _Stop):
-                return False
-            if isinstance(command, _Add):
-                self._do_add(command)
-            elif isinstance(command, _Abort):
-                self._do_abort(command.request_id)
+            if adds:
+                self.core.add_requests(adds)
+            if aborts:
+                self.core.abort_requests(aborts)
+        except EngineDeadError as exc:
+            self._on_dead(exc)
+
+    # ---- from the core --------------------------------------------------------------------------
+    def _receive(self) -> None:
+        """The receiver thread: hands every batch of the core's messages to the loop in one call."""
+        while not self._stopped:
             try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _do_add(self, command: _Add) -> None:
-        loop = command.future.get_loop()
-        try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
-        except Exception as exc:  # validation errors belong to the caller, not to the engine
-            error = exc
-        else:
-            error = None
-            self._streams[command.request_id] = command.stream
-        with self._lock:
-            # Move the request from "pending" to "waiting in the engine" in one go, so that admission
-            # control never sees it in neither (the exact figures are recomputed after the next step).
-            self._pending_adds -= command.num_seqs
-            self._pending_tokens -= command.num_prompt_tokens
-            if error is None:
-                load = self._load
-                self._load = EngineLoad(load.num_running, load.num_waiting + command.num_seqs,
-                                        load.num_waiting_prompt_tokens + command.num_prompt_tokens)
-        try:
-            loop.call_soon_threadsafe(_resolve, command.future, None, error)
-        except RuntimeError:  # loop closed: the caller is gone
-            if error is None:
-                self._do_abort(command.request_id)
-
-    def _do_abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        outputs = self.engine.abort_request(request_id)
-        if stream is not None:
-            for output in outputs:
-                stream.put_threadsafe(output)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
+                first = self.core.get_output(_RECEIVE_POLL_S)
+            except EngineDeadError as exc:
+                if not self._stopped:
+                    self._call_soon(self._on_dead, exc)
+                return
+            if first is None:
                 continue
-            if output.finished:
-                del self._streams[output.request_id]
-            stream.put_threadsafe(output)
-
-    def _publish(self) -> None:
-        """Copies stats and queue load where the event loop can read them."""
-        stats = copy.copy(self.engine.get_stats())
-        stats.finished_requests_total = copy.copy(stats.finished_requests_total)
-        waiting = self.engine.scheduler.waiting
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in waiting) if waiting else 0
-        load = EngineLoad(stats.num_running_reqs, len(waiting), waiting_tokens)
-        with self._lock:
-            self._stats = stats
-            self._load = load
-
-    def _die(self, exc: BaseException | None) -> None:
-        """Fails every in-flight and queued request; marks the engine dead."""
-        if exc is None:
-            error = EngineDeadError(f"engine {self.name} is shut down")
-        else:
-            error = EngineDeadError(f"engine {self.name} failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-        with self._lock:
-            if self._dead_error is None:
-                self._dead_error = error
-            pending = []
+            batch = [first]
             while True:
                 try:
-                    pending.append(self._commands.get_nowait())
-                except queue.Empty:
+                    more = self.core.get_output(0)
+                except EngineDeadError:
+                    break  # reported by the next wait
+                if more is None:
                     break
-            self._pending_adds = self._pending_tokens = 0
-        for command in pending:
-            if isinstance(command, _Add):
-                try:
-                    command.future.get_loop().call_soon_threadsafe(_resolve, command.future, None, error)
-                except RuntimeError:
-                    pass
+                batch.append(more)
+            self._call_soon(self._on_outputs, batch)
+
+    def _call_soon(self, callback, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _on_outputs(self, batch: list[EngineCoreOutputs]) -> None:
+        self._progress_time = time.monotonic()
+        for core_outputs in batch:
+            outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+            if to_abort:  # stop strings: the core stops generating them
+                self._pending_aborts += to_abort
+                self._schedule_flush()
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self._streams[output.request_id]
+                stream.put(output)
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        if self._dead_error is None:
+            self._dead_error = error
+        self._notify_dead(self._dead_error)
+
+    def _notify_dead(self, error: EngineDeadError) -> None:
+        """Fails every in-flight request (on the loop, if there is one)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                self._call_soon(self._fail_streams, error)
+                return
+        self._fail_streams(error)
+
+    def _fail_streams(self, error: EngineDeadError) -> None:
         streams, self._streams = self._streams, {}
+        self.output_processor.fail_all()
         for stream in streams.values():
-            stream.put_threadsafe(error)
+            stream.put(error)

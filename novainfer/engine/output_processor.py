@@ -1,28 +1,35 @@
-"""Engine-side output processing: detokenization, stop strings, logprobs, RequestOutputs.
+"""The front-end's output side: the core's per-step token deltas to RequestOutputs.
 
-A user request with ``n`` > 1 runs as ``n`` child requests; their completions are gathered
-into one :class:`RequestOutput` under the parent's id.
+It owns detokenization, stop strings, logprobs and ``n`` > 1: a user request with ``n`` > 1 runs
+as ``n`` sequences in the core, whose completions are gathered into one :class:`RequestOutput`
+under the parent's id. A stop string found here ends the sequence at once (later tokens are
+dropped); the caller then aborts it in the core (``process_outputs`` says which).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
+from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from novainfer.engine.detokenizer import TokenTexts
 from novainfer.engine.output_text import OutputTextState
-from novainfer.engine.request import Request, RequestStatus
-from novainfer.outputs import CompletionOutput, Logprob, RequestOutput
-from novainfer.sampling_params import RequestOutputKind
+from novainfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
 class ChildState:
-    request: Request
+    request_id: str  # the core's id
     index: int
+    params: SamplingParams
     text: OutputTextState | None  # None when the request is not detokenized
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     num_tokens_reported: int = 0
     final_reported: bool = False
 
@@ -33,10 +40,23 @@ class ParentState:
     prompt: str | None
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind
+    metrics: RequestMetrics
     children: list[ChildState] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_unfinished: int = 0
+    started: bool = False  # whether any of its sequences got a token (it is no longer waiting)
 
     def finished(self) -> bool:
-        return all(c.request.is_finished() for c in self.children)
+        return self.num_unfinished == 0
+
+
+@dataclass
+class FrontendLoad:
+    """The requests the front-end has handed to the core and not seen finish."""
+
+    num_running: int = 0  # sequences that got a token
+    num_waiting: int = 0  # sequences that did not yet
+    num_waiting_prompt_tokens: int = 0
 
 
 class OutputProcessor:
@@ -44,96 +64,178 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
         self.parents: dict[str, ParentState] = {}
-        self.child_to_parent: dict[str, ParentState] = {}
-        self.children: dict[str, ChildState] = {}
+        self.children: dict[str, tuple[ParentState, ChildState]] = {}
+        self.finished_requests_total: Counter = Counter()  # sequences, by finish reason
+        self.load = FrontendLoad()
 
-    def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
-        parent = ParentState(parent_id, prompt, children[0].prompt_token_ids,
-                             children[0].sampling_params.output_kind)
+    def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    output_kind: RequestOutputKind, children: list[EngineCoreRequest]) -> None:
+        parent = ParentState(parent_id, prompt, prompt_token_ids, output_kind,
+                             RequestMetrics(arrival_time=children[0].arrival_time), num_unfinished=len(children))
         for index, request in enumerate(children):
             params = request.sampling_params
             text = None
             if params.detokenize:
-                text = OutputTextState(self.tokenizer, request.prompt_token_ids, stop=params.stop or (),
+                text = OutputTextState(self.tokenizer, prompt_token_ids, stop=params.stop or (),
                                        include_stop_str_in_output=params.include_stop_str_in_output,
                                        skip_special_tokens=params.skip_special_tokens,
                                        spaces_between_special_tokens=params.spaces_between_special_tokens)
             wants_logprobs = params.logprobs is not None
-            child = ChildState(request, index, text, [] if wants_logprobs else None,
+            child = ChildState(request.request_id, index, params, text, [] if wants_logprobs else None,
                                0.0 if wants_logprobs else None)
             parent.children.append(child)
-            self.child_to_parent[request.request_id] = parent
-            self.children[request.request_id] = child
+            self.children[request.request_id] = (parent, child)
         self.parents[parent_id] = parent
-
-    def child_ids(self, parent_id: str) -> list[str]:
-        parent = self.parents.get(parent_id)
-        return [c.request.request_id for c in parent.children] if parent else []
-
-    def process_token(self, request: Request, token_stop: RequestStatus | None,
-                      logprobs: tuple[list[int], list[float], int] | None) -> RequestStatus | None:
-        """Detokenizes a request's newest token and checks stop strings; returns its finish status."""
-        child = self.children[request.request_id]
-        params = request.sampling_params
-        # A stop token (EOS or stop_token_ids) ends the text without being rendered, unless asked.
-        stopped_by_token = token_stop == RequestStatus.FINISHED_STOPPED
-        if child.text is not None and (not stopped_by_token or params.include_stop_str_in_output):
-            stop_str = child.text.append_tokens(request.output_token_ids[-1:])
-            if stop_str is not None:
-                request.stop_reason = stop_str
-                token_stop = RequestStatus.FINISHED_STOPPED
-        if logprobs is not None and child.logprobs is not None:
-            ids, values, rank = logprobs
-            decode = self.token_texts if child.text is not None else lambda _: None
-            entry = {ids[0]: Logprob(values[0], rank, decode(ids[0]))}
-            for position, (tid, value) in enumerate(zip(ids[1:], values[1:]), start=1):
-                entry.setdefault(tid, Logprob(value, position, decode(tid)))
-            child.logprobs.append(entry)
-            child.cumulative_logprob += values[0]
-        return token_stop
-
-    def wants_output(self, request_id: str, finished_now: bool) -> bool:
-        """Whether a child's new token makes its parent produce an output this step.
-
-        FINAL_ONLY parents produce one only when their last child finishes.
-        """
-        parent = self.child_to_parent[request_id]
-        if parent.output_kind != RequestOutputKind.FINAL_ONLY:
-            return True
-        return finished_now and parent.finished()
-
-    def make_output(self, parent_id: str) -> RequestOutput:
-        """The parent's current output; forgets the parent once every child is finished."""
-        parent = self.parents[parent_id]
-        finished = parent.finished()
-        outputs = []
-        for child in parent.children:
-            request = child.request
-            done = request.is_finished()
-            new_ids = request.output_token_ids[child.num_tokens_reported:]
-            child.num_tokens_reported = request.num_output_tokens
-            # A child that finished earlier than its siblings has nothing more to stream.
-            delta_text = "" if child.final_reported or child.text is None else child.text.take_delta(finished=done)
-            child.final_reported = done
-            outputs.append(CompletionOutput(
-                index=child.index, text=child.text.text if child.text is not None else "", token_ids=list(request.output_token_ids),
-                cumulative_logprob=child.cumulative_logprob,
-                logprobs=list(child.logprobs) if child.logprobs is not None else None,
-                finish_reason=request.get_finished_reason() if done else None,
-                stop_reason=request.stop_reason if done else None,
-                delta_text=delta_text, delta_token_ids=new_ids))
-        first = parent.children[0].request
-        metrics = dataclasses.replace(first.metrics)  # a snapshot: the request keeps updating its own
-        if finished:
-            del self.parents[parent_id]
-            for child in parent.children:
-                self.child_to_parent.pop(child.request.request_id, None)
-                self.children.pop(child.request.request_id, None)
-        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             max(first.num_cached_tokens, 0), metrics)
-
-    def parent_of(self, request_id: str) -> str:
-        return self.child_to_parent[request_id].request_id
+        self.load.num_waiting += len(children)
+        self.load.num_waiting_prompt_tokens += len(prompt_token_ids) * len(children)
 
     def has(self, parent_id: str) -> bool:
         return parent_id in self.parents
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        parent = self.parents.get(parent_id)
+        return [c.request_id for c in parent.children] if parent else []
+
+    # ---- one step ----------------------------------------------------------------------------
+    def process_outputs(self, core_outputs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
+        """Applies a step's outputs; returns the RequestOutputs of the parents that changed, and the
+        core ids of the sequences that stop strings ended (to abort in the core)."""
+        touched: dict[str, ParentState] = {}
+        to_abort: list[str] = []
+        now = core_outputs.timestamp
+        for output in core_outputs.outputs:
+            entry = self.children.get(output.request_id)
+            if entry is None:
+                continue  # finished here (stop string, abort) while the core was still running it
+            parent, child = entry
+            if child.finish_reason is not None:
+                continue
+            self._start(parent, child, output, now)
+            self._apply(child, output)
+            if child.finish_reason is not None:
+                self._finish(parent, child, now)
+                if output.finish_reason is None:
+                    to_abort.append(child.request_id)
+            if parent.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished():
+                touched[parent.request_id] = parent
+            parent.metrics.last_token_time = now
+        return [self._make_output(parent) for parent in touched.values()], to_abort
+
+    def _start(self, parent: ParentState, child: ChildState, output: EngineCoreOutput, now: float) -> None:
+        if child.token_ids:
+            return
+        self.load.num_waiting -= 1
+        self.load.num_waiting_prompt_tokens -= len(parent.prompt_token_ids)
+        self.load.num_running += 1
+        if not parent.started:
+            parent.started = True
+            parent.num_cached_tokens = max(output.num_cached_tokens, 0)
+            parent.metrics.first_scheduled_time = output.first_scheduled_time
+            parent.metrics.first_token_time = now
+
+    def _apply(self, child: ChildState, output: EngineCoreOutput) -> None:
+        """Adds a sequence's new tokens, detokenizes them and checks stop strings."""
+        params = child.params
+        new_ids = output.new_token_ids
+        # A stop token (EOS or stop_token_ids) ends the text without being rendered, unless asked.
+        num_text = len(new_ids) - (output.finish_reason == "stop" and not params.include_stop_str_in_output)
+        if child.text is None or not params.stop:
+            child.token_ids += new_ids
+            if output.new_logprobs is not None and child.logprobs is not None:
+                for logprobs in output.new_logprobs:
+                    self._add_logprobs(child, logprobs)
+            if child.text is not None and num_text > 0:
+                child.text.append_tokens(new_ids[:num_text])
+        else:
+            # Token by token: the tokens after the one that completes a stop string are dropped.
+            for position, token in enumerate(new_ids):
+                child.token_ids.append(token)
+                if output.new_logprobs is not None and child.logprobs is not None:
+                    self._add_logprobs(child, output.new_logprobs[position])
+                if position < num_text:
+                    stop_str = child.text.append_tokens([token])
+                    if stop_str is not None:
+                        child.finish_reason, child.stop_reason = "stop", stop_str
+                        return
+        if output.finish_reason is not None:
+            child.finish_reason, child.stop_reason = output.finish_reason, output.stop_reason
+
+    def _add_logprobs(self, child: ChildState, logprobs: tuple[list[int], list[float], int]) -> None:
+        ids, values, rank = logprobs
+        decode = self.token_texts if child.text is not None else lambda _: None
+        entry = {ids[0]: Logprob(values[0], rank, decode(ids[0]))}
+        for position, (tid, value) in enumerate(zip(ids[1:], values[1:]), start=1):
+            entry.setdefault(tid, Logprob(value, position, decode(tid)))
+        child.logprobs.append(entry)
+        child.cumulative_logprob += values[0]
+
+    def _finish(self, parent: ParentState, child: ChildState, now: float) -> None:
+        parent.num_unfinished -= 1
+        self.finished_requests_total[child.finish_reason] += 1
+        if child.token_ids:
+            self.load.num_running -= 1
+        else:
+            self.load.num_waiting -= 1
+            self.load.num_waiting_prompt_tokens -= len(parent.prompt_token_ids)
+        if parent.finished():
+            parent.metrics.finished_time = now
+
+    # ---- aborts ------------------------------------------------------------------------------
+    def abort(self, parent_id: str, now: float) -> tuple[RequestOutput | None, list[str]]:
+        """Ends a request's unfinished sequences; returns its final output (None if unknown) and
+        the core ids to abort."""
+        parent = self.parents.get(parent_id)
+        if parent is None:
+            return None, []
+        to_abort = []
+        for child in parent.children:
+            if child.finish_reason is None:
+                child.finish_reason = "abort"
+                self._finish(parent, child, now)
+                to_abort.append(child.request_id)
+        return self._make_output(parent), to_abort
+
+    def fail_all(self) -> list[str]:
+        """Forgets every request (the core died); returns their parent ids."""
+        parent_ids = list(self.parents)
+        self.parents.clear()
+        self.children.clear()
+        self.load = FrontendLoad()
+        return parent_ids
+
+    # ---- outputs -----------------------------------------------------------------------------
+    def _make_output(self, parent: ParentState) -> RequestOutput:
+        """The parent's current output; forgets the parent once every sequence is finished."""
+        finished = parent.finished()
+        delta = parent.output_kind == RequestOutputKind.DELTA
+        outputs = []
+        for child in parent.children:
+            done = child.finish_reason is not None
+            new_ids = child.token_ids[child.num_tokens_reported:]
+            new_logprobs = None if child.logprobs is None else child.logprobs[child.num_tokens_reported:]
+            child.num_tokens_reported = len(child.token_ids)
+            # A sequence that finished earlier than its siblings has nothing more to stream.
+            delta_text = "" if child.final_reported or child.text is None else child.text.take_delta(finished=done)
+            child.final_reported = done
+            if delta:
+                text, token_ids, logprobs = delta_text, new_ids, new_logprobs
+            else:
+                text = child.text.text if child.text is not None else ""
+                token_ids = list(child.token_ids)
+                logprobs = list(child.logprobs) if child.logprobs is not None else None
+            outputs.append(CompletionOutput(
+                index=child.index, text=text, token_ids=token_ids, cumulative_logprob=child.cumulative_logprob,
+                logprobs=logprobs, finish_reason=child.finish_reason, stop_reason=child.stop_reason if done else None,
+                delta_text=delta_text, delta_token_ids=new_ids))
+        if finished:
+            del self.parents[parent.request_id]
+            for child in parent.children:
+                self.children.pop(child.request_id, None)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                             parent.num_cached_tokens, dataclasses.replace(parent.metrics))

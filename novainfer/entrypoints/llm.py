@@ -18,12 +18,14 @@ class LLM:
     """Loads a model directory (``None``: the built-in tiny model) and generates text.
 
     Keyword arguments are engine arguments with vLLM's names (see :class:`EngineArgs`);
-    an unknown one is an error.
+    an unknown one is an error. With ``multiprocess=True`` the engine core (scheduler, KV cache,
+    model) runs in a process of its own, as under ``novainfer serve``: it keeps generating while
+    the calling script does other work between ``generate_stream`` outputs.
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, *, multiprocess: bool = False, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

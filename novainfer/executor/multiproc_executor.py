@@ -227,8 +227,8 @@ def _rebuild_exception(info: tuple[bytes | None, str, str, str]) -> BaseExceptio
 def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: str, conn: Connection,
                log_level: int) -> None:
     """Main function of a worker process: serves the driver's calls until told to stop."""
-    _exit_with_parent()
-    _configure_logging(rank, log_level)
+    exit_with_parent()
+    configure_worker_logging(f"rank {rank}", log_level)
     if config.device.type == "cpu":
         # The ranks share the machine's cores instead of each starting a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel_config.world_size))
@@ -271,8 +271,8 @@ def _describe_exception(exc: Exception) -> tuple[bytes | None, str, str, str]:
     return pickled, type(exc).__name__, str(exc), traceback.format_exc()
 
 
-def _exit_with_parent() -> None:
-    """Ends this process when the driver dies, even while it is stuck in a collective."""
+def exit_with_parent() -> None:
+    """Ends this process when its parent (the driver) dies, even while it is stuck in a collective."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -284,9 +284,10 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="novainfer-parent-watch", daemon=True).start()
 
 
-def _configure_logging(rank: int, level: int) -> None:
+def configure_worker_logging(label: str, level: int) -> None:
+    """Log lines of a child process, marked with what it is (``rank 1``, ``engine core``)."""
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [rank {rank} pid %(process)d] "
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{label} pid %(process)d] "
                                            f"%(name)s: %(message)s"))
     package = logging.getLogger("novainfer")
     package.addHandler(handler)

@@ -102,7 +102,7 @@ def eager_outputs(model_dir):
 def test_cuda_graph_engine_equals_eager(model_dir, eager_outputs):
     prompts, expected = eager_outputs
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=64, num_gpu_blocks_override=2048)
-    runner = llm.llm_engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.engine_core.executor.driver_worker.model_runner
     assert runner.graphs, "no CUDA graph was captured"
     assert _generate(llm, prompts, 40) == expected
     llm.shutdown()
@@ -136,7 +136,7 @@ def test_prefix_caching_on_gpu_keeps_outputs(model_dir):
 
 def _count_replays(llm: LLM) -> dict[str, int]:
     """Counts the graph replays of ``llm``'s runner by kind, from now on."""
-    graphs = llm.llm_engine.executor.driver_worker.model_runner.graphs
+    graphs = llm.llm_engine.engine_core.executor.driver_worker.model_runner.graphs
     counts = {"decode": 0, "mixed": 0}
     replay = graphs.replay
 

@@ -62,7 +62,7 @@ def test_decode_steps_of_every_setting_never_sync(enforce_eager):
         # Warm-up: prefill every prompt and take a few decode steps (kernels compiled, tables allocated).
         for _ in range(12):
             engine.step()
-        assert engine.scheduler.get_num_unfinished_requests() == len(settings) * 3
+        assert engine.engine_core.scheduler.get_num_unfinished_requests() == len(settings) * 3
         with sync_debug_error():
             for _ in range(10):
                 outputs = engine.step()

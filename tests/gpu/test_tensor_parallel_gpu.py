@@ -71,7 +71,7 @@ def single_gpu(model_dir, prompts) -> dict:
     with async scheduling, the GPU default, while this one fetches each step before the next)."""
     llm = LLM(str(model_dir), async_scheduling=False, **ENGINE)
     try:
-        (kv,) = llm.llm_engine.executor.collective_rpc(_rank_kv)
+        (kv,) = llm.llm_engine.engine_core.executor.collective_rpc(_rank_kv)
         return {"tokens": _greedy(llm, prompts), "kv": kv}
     finally:
         llm.llm_engine.shutdown()
@@ -128,7 +128,7 @@ def test_uni_driver_launches_the_decode_graphs_of_every_rank(tp2, prompts):
     too (no host collective in it); eager steps run on each rank's own thread."""
     if tp2.llm_engine.config.parallel_config.distributed_executor_backend != "uni":
         pytest.skip("only the uni executor has every rank in one process")
-    follower = tp2.llm_engine.executor.workers[1].model_runner
+    follower = tp2.llm_engine.engine_core.executor.workers[1].model_runner
     calls: list[tuple[str, bool]] = []
     run_staged = follower.run_staged
 
@@ -158,7 +158,7 @@ def test_each_gpu_caches_half_the_kv_heads(single_gpu, tp2):
     backend = tp2.llm_engine.config.parallel_config.distributed_executor_backend
     _, heads, one_gpu_bytes = single_gpu["kv"]
     assert heads == MODEL["num_key_value_heads"]
-    ranks = tp2.llm_engine.executor.collective_rpc(_rank_kv)
+    ranks = tp2.llm_engine.engine_core.executor.collective_rpc(_rank_kv)
     assert sorted(device for device, _, _ in ranks) == ["cuda:0", "cuda:1"]
     for device, heads, kv_bytes in ranks:
         print(f"{backend} {device}: {heads} KV head(s), {kv_bytes} KV bytes (one GPU: {one_gpu_bytes})")
@@ -171,7 +171,7 @@ def test_engine_group_collectives_match_pytorch(tp2):
     across processes), sync and async, on both GPUs."""
     backend = tp2.llm_engine.config.parallel_config.distributed_executor_backend
     expected = {"uni": "CupyNcclProcessGroup", "mp": "TorchDistributedProcessGroup"}[backend]
-    assert tp2.llm_engine.executor.collective_rpc(check_collectives_on_worker) == [expected] * 2
+    assert tp2.llm_engine.engine_core.executor.collective_rpc(check_collectives_on_worker) == [expected] * 2
 
 
 # ---- CuPy's NCCL group on its own: ranks as threads, one GPU each --------------------------------
@@ -285,4 +285,4 @@ def _uses_custom_all_reduce(worker) -> bool:
 
 
 def test_engine_groups_use_the_custom_all_reduce(tp2):
-    assert tp2.llm_engine.executor.collective_rpc(_uses_custom_all_reduce) == [True, True]
+    assert tp2.llm_engine.engine_core.executor.collective_rpc(_uses_custom_all_reduce) == [True, True]

@@ -15,14 +15,16 @@ sampled tokens replace the placeholders in :meth:`Scheduler.update_from_output`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from novainfer.core.kv_cache_manager import KVCacheManager
+from novainfer.core.messages import EngineCoreOutput
 from novainfer.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from novainfer.engine.request import Request, RequestStatus
+from novainfer.core.sched.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -229,20 +231,32 @@ class Scheduler:
                                        request.sampling_params, self.kv_cache_manager.get_block_ids(rid),
                                        request.num_computed_tokens))
 
-    def update_from_output(self, req_ids: Iterable[str], sampled_token_ids: Iterable[int]) -> list[Request]:
-        """Fills in a step's sampled tokens; returns the requests that got one.
+    def update_from_output(self, req_ids: Iterable[str], sampled_token_ids: Iterable[int],
+                           logprobs: Iterable[tuple[list[int], list[float], int] | None] | None = None
+                           ) -> list[EngineCoreOutput]:
+        """Fills in a step's sampled tokens, applies the token-level stop conditions and frees the
+        requests they end; returns one output per request that got a token.
 
         Requests finished since the step was scheduled are skipped. A request preempted since
         then keeps its token: it is part of what it recomputes when it resumes.
         """
-        updated = []
-        for rid, token in zip(req_ids, sampled_token_ids):
+        outputs = []
+        for rid, token, token_logprobs in zip(req_ids, sampled_token_ids, logprobs or itertools.repeat(None)):
             request = self.requests.get(rid)
             if request is None:
                 continue
             request.append_output_token(token)
-            updated.append(request)
-        return updated
+            output = EngineCoreOutput(rid, [token], None if token_logprobs is None else [token_logprobs])
+            if request.num_output_tokens == 1:
+                output.num_cached_tokens = max(request.num_cached_tokens, 0)
+                output.first_scheduled_time = request.metrics.first_scheduled_time
+            status = self.check_stop(request)
+            if status is not None:
+                self.finish_requests(rid, status)
+                output.finish_reason = request.get_finished_reason()
+                output.stop_reason = request.stop_reason
+            outputs.append(output)
+        return outputs
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """Token-level stop conditions after a new token: EOS/stop ids, max_tokens, context length.

@@ -93,8 +93,8 @@ class ModelRegistry:
     def _serve(name: str, engine: AsyncLLMEngine) -> ServedModel:
         config = engine.model_config
         tokenizer = get_tokenizer(config.tokenizer)
-        kv = engine.engine.kv_cache_manager
-        capacity = kv.num_blocks * kv.block_size
+        kv = engine.core.info
+        capacity = kv.kv_capacity
         max_model_len = min(config.max_model_len, capacity)
         logger.info("model '%s': max_model_len=%d (configured %d; the KV cache holds %d blocks x %d = %d tokens)",
                     name, max_model_len, config.max_model_len, kv.num_blocks, kv.block_size, capacity)

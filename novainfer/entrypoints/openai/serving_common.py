@@ -309,7 +309,7 @@ class GenerationHandler(ABC):
 
     # ---- streaming ------------------------------------------------------------------------------
     def _chunk(self, model: str, created: int, choices: list[dict[str, Any]],
-               usage: dict[str, Any] | None = None) -> str:
+               usage: dict[str, Any] | None = None) -> bytes:
         payload: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object, "created": created,
                                    "model": model, "choices": choices}
         if usage is not None:
@@ -321,7 +321,7 @@ class GenerationHandler(ABC):
                         finals: list[RequestOutput | None]) -> AsyncIterator[dict[str, Any]]:
         """The choice of each SSE chunk, in order, read from ``self._outputs(submission, finals)``."""
 
-    async def _stream(self, submission: Submission) -> AsyncIterator[str]:
+    async def _stream(self, submission: Submission) -> AsyncIterator[bytes]:
         model = submission.model
         tracker = submission.tracker
         created = int(self.arrival_time)

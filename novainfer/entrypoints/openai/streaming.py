@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -19,11 +19,15 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
+
+# Chunks are plain dicts serialized by msgspec (compact UTF-8 JSON), not pydantic models: a stream
+# writes one per request per engine step.
+_json_encoder = msgspec.json.Encoder()
 
 
-def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _json_encoder.encode(payload) + b"\n\n"
 
 
 class SSEResponse(StreamingResponse):
@@ -35,7 +39,7 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kwargs.pop("headers", {})}
         super().__init__(content, headers=headers, **kwargs)
         self._on_close = on_close

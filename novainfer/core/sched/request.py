@@ -72,7 +72,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
-        self.stop_reason: int | str | None = None
+        self.stop_reason: int | None = None  # the stop token id that ended it
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
 
     @property

@@ -1,0 +1,218 @@
+"""EngineCore: the scheduler, the KV cache manager and the executor behind a message boundary.
+
+It takes :class:`EngineCoreRequest` s and aborts, and returns one :class:`EngineCoreOutputs` per
+step. It knows nothing of text, ``n`` > 1 or RequestOutputs (that is the front-end's, see
+``llm_engine``): the same object runs inside the caller's process or in an engine-core process of
+its own (``core_proc``).
+
+Async scheduling (pipelining) is owned here: a step may be left running on the device while the
+next one is scheduled, and the steps in flight form a queue whose tokens later calls collect,
+oldest first.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import msgspec
+
+from novainfer.config import EngineConfig
+from novainfer.core.kv_cache_manager import KVCacheManager
+from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
+from novainfer.core.sched.output import SchedulerOutput
+from novainfer.core.sched.request import Request, RequestStatus
+from novainfer.core.sched.scheduler import Scheduler
+from novainfer.executor.abstract import Executor
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_objects() -> None:
+    """Leaves what start-up built out of the cyclic collector's full passes.
+
+    Modules, weights, the tokenizer and imported libraries (millions of objects) live as long as the
+    engine; left in the collector's care, every full pass walks them all and pauses a run for hundreds
+    of milliseconds. ``gc.unfreeze()`` hands them back.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+class EngineCoreInfo(msgspec.Struct, array_like=True):
+    """What the front-end needs to know of a started core to validate requests."""
+
+    num_blocks: int
+    block_size: int
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
+                 log_stats_interval: float = 5.0) -> None:
+        self.config = config
+        executor_class = executor_class or Executor.get_class(config)
+        self.executor = executor_class(config)
+        try:
+            num_blocks = self.executor.determine_num_available_blocks()
+            self.executor.initialize_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # its workers (threads or processes) would outlive the failure
+            raise
+        cache = config.cache_config
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.info = EngineCoreInfo(num_blocks, cache.block_size)
+        self.stats = EngineCoreStats()
+        # The steps left running on the device, oldest first (async scheduling), and outputs of
+        # steps collected outside step() (see add_requests), which the next step() returns.
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._early_outputs: list[EngineCoreOutput] = []
+        self.log_stats_interval = log_stats_interval
+        self._last_log = (time.monotonic(), 0, 0)
+        model_config = config.model_config
+        logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+                    model_config.model, model_config.torch_dtype, config.device, num_blocks, cache.block_size,
+                    model_config.max_model_len)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        requests = list(requests)
+        for r in requests:
+            if r.request_id in self.scheduler.requests:
+                raise ValueError(f"request_id {r.request_id!r} is already in use")
+        if any(r.request_id in so.num_scheduled_tokens for so in self._in_flight for r in requests):
+            # The id was just freed by a request whose last step is still running: collect that
+            # step first, so that its token cannot be taken for this request's.
+            self._early_outputs += self._collect_in_flight()
+        for r in requests:
+            self.scheduler.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling_params, r.max_tokens,
+                                               r.arrival_time))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Ends requests (unknown or finished ids are ignored) and frees their KV blocks."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Whether step() would do anything: requests to run, or tokens of steps to collect."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or bool(self._early_outputs)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """Schedules and runs one step; returns the tokens it produced (one output per request).
+
+        With ``async_scheduling`` the step is left running and the call returns the tokens of the
+        step before, which the host collects while the device runs this one.
+        """
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not self._in_flight:
+            return self._outputs(self._take_early_outputs())
+        pipelined = self._can_pipeline(scheduler_output)
+        model_started = time.perf_counter()
+        runner_outputs = self.executor.execute_model(scheduler_output, pipelined)
+        model_time = time.perf_counter() - model_started
+        self._in_flight.clear()  # the call returned the tokens of every step that was in flight
+        if pipelined:
+            self._in_flight.append(scheduler_output)
+        outputs = self._update_from_runner(runner_outputs)
+        if self._in_flight and not self.scheduler.has_unfinished_requests():
+            outputs += self._collect_in_flight()  # its requests are all finished; leave the workers idle
+        num_generated = sum(len(o.new_token_ids) for o in outputs)
+        self._record_step(scheduler_output, num_generated, time.perf_counter() - started, model_time)
+        return self._outputs(_merge(self._take_early_outputs() + outputs))
+
+    def _can_pipeline(self, scheduler_output: SchedulerOutput) -> bool:
+        return self.scheduler.config.async_scheduling and not scheduler_output.is_empty
+
+    def _update_from_runner(self, runner_outputs) -> list[EngineCoreOutput]:
+        """Applies the tokens of the steps the executor finished, oldest first."""
+        outputs = []
+        for runner_output in runner_outputs:
+            outputs += self.scheduler.update_from_output(runner_output.req_ids, runner_output.sampled_token_ids,
+                                                         runner_output.logprobs)
+        return outputs
+
+    def _collect_in_flight(self) -> list[EngineCoreOutput]:
+        """Waits for the steps in flight and applies their tokens."""
+        self._in_flight.clear()
+        return self._update_from_runner(self.executor.execute_model(SchedulerOutput([], [], {}, 0)))
+
+    def _take_early_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self._early_outputs = self._early_outputs, []
+        return outputs
+
+    def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs, self.make_stats(), time.time())
+
+    def make_stats(self) -> EngineCoreStats:
+        """A snapshot of the stats (the core keeps updating its own)."""
+        s = self.stats
+        sched = self.scheduler.make_stats()
+        s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage = (sched.num_running_reqs, sched.num_waiting_reqs,
+                                                                    sched.kv_cache_usage)
+        s.num_preemptions_total = sched.num_preemptions
+        s.prefix_cache_queries_total, s.prefix_cache_hits_total = sched.prefix_cache_queries, sched.prefix_cache_hits
+        return msgspec.structs.replace(s, steps_by_kind=dict(s.steps_by_kind),
+                                       step_time_by_kind=dict(s.step_time_by_kind))
+
+    def _record_step(self, scheduler_output: SchedulerOutput, num_generated: int, step_time: float,
+                     model_time: float) -> None:
+        s = self.stats
+        s.num_steps += 1
+        num_decode = sum(1 for r in scheduler_output.scheduled_cached_reqs
+                         if scheduler_output.num_scheduled_tokens[r.req_id] == 1)
+        num_prefill = scheduler_output.total_num_scheduled_tokens - num_decode
+        s.prompt_tokens_total += num_prefill
+        s.generation_tokens_total += num_generated
+        s.step_time_total += step_time
+        s.model_time_total += model_time
+        kind = "decode" if num_prefill == 0 else "prefill" if num_decode == 0 else "mixed"
+        s.steps_by_kind[kind] = s.steps_by_kind.get(kind, 0) + 1
+        s.step_time_by_kind[kind] = s.step_time_by_kind.get(kind, 0.0) + step_time
+        if logger.isEnabledFor(logging.DEBUG):
+            sched = self.scheduler
+            logger.debug("step %d: batch=%d prefill_tokens=%d decode_tokens=%d running=%d waiting=%d "
+                         "kv_usage=%.1f%% step_ms=%.2f model_ms=%.2f", s.num_steps,
+                         len(scheduler_output.num_scheduled_tokens), num_prefill, num_decode, len(sched.running),
+                         len(sched.waiting), 100 * self.kv_cache_manager.usage, 1e3 * step_time, 1e3 * model_time)
+        now = time.monotonic()
+        last_time, last_prompt, last_gen = self._last_log
+        if now - last_time >= self.log_stats_interval:
+            elapsed = now - last_time
+            sched = self.scheduler.make_stats()
+            logger.info("throughput: prompt %.1f tok/s, generation %.1f tok/s; running=%d waiting=%d "
+                        "kv_usage=%.1f%% preemptions=%d", (s.prompt_tokens_total - last_prompt) / elapsed,
+                        (s.generation_tokens_total - last_gen) / elapsed, sched.num_running_reqs,
+                        sched.num_waiting_reqs, 100 * sched.kv_cache_usage, sched.num_preemptions)
+            self._last_log = (now, s.prompt_tokens_total, s.generation_tokens_total)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _merge(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """One output per request: a request that got tokens from two steps (one collected from flight,
+    one just run) gets them in one output, oldest first."""
+    if len(outputs) < 2:
+        return outputs
+    merged: dict[str, EngineCoreOutput] = {}
+    for output in outputs:
+        first = merged.get(output.request_id)
+        if first is None:
+            merged[output.request_id] = output
+            continue
+        first.new_token_ids += output.new_token_ids
+        if output.new_logprobs is not None:
+            first.new_logprobs = (first.new_logprobs or []) + output.new_logprobs
+        first.finish_reason, first.stop_reason = output.finish_reason, output.stop_reason
+    return list(merged.values())

@@ -1,0 +1,224 @@
+"""The front-end's handle on an engine core that runs its own loop: in an engine-core process
+(spawned and supervised here) or in a thread of this process, joined by two ZMQ sockets.
+
+The client binds both sockets (on ``ipc://`` paths in a private temporary directory), starts the
+core, and waits for its :class:`CoreReady`. Requests and aborts go out in batches; each core step
+comes back as one :class:`EngineCoreOutputs`. If the core dies (a step raised, the process was
+killed), :meth:`CoreClient.get_output` raises :class:`EngineDeadError` naming the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from novainfer.config import EngineConfig
+from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
+from novainfer.engine.core import EngineCore, EngineCoreInfo
+from novainfer.engine.serial import CoreFailed, CoreReady, InputEncoder, StepOutputs, core_message_decoder
+
+logger = logging.getLogger(__name__)
+
+# How often a receiver waiting for the core checks that it is still alive.
+_LIVENESS_POLL_MS = 100
+# Shutdown: how long the core gets to stop by itself, then after SIGTERM, before SIGKILL.
+_STOP_GRACE_S = 5.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core failed (or was shut down); no request can be served by it any more."""
+
+
+class CoreClient:
+    """Starts an engine core and talks to it. ``in_thread`` runs the core in this process (its
+    ``engine_core`` is then reachable here); otherwise it runs in a spawned process."""
+
+    def __init__(self, config: EngineConfig, log_stats_interval: float = 5.0, name: str = "engine",
+                 in_thread: bool = False) -> None:
+        self.name = name
+        self._dir = tempfile.mkdtemp(prefix="novainfer-core-")
+        self._context = zmq.Context()
+        input_address = f"ipc://{Path(self._dir) / 'input'}"
+        output_address = f"ipc://{Path(self._dir) / 'output'}"
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never block on a full queue: the core drains it
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._output, zmq.POLLIN)
+        self._encoder = InputEncoder()
+        self._send_lock = threading.Lock()  # sends may come from any thread; the socket is not thread-safe
+        self.engine_core: EngineCore | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._thread: threading.Thread | None = None
+        self._loop = None
+        self.dead_error: EngineDeadError | None = None
+        self.stats = EngineCoreStats()
+        self._closed = False
+        try:
+            if in_thread:
+                from novainfer.engine.core_proc import start_core_thread
+
+                self.engine_core = EngineCore(config, log_stats_interval=log_stats_interval)
+                self._thread, self._loop = start_core_thread(self.engine_core, input_address, output_address, name)
+            else:
+                from novainfer.engine.core_proc import run_engine_core
+
+                log_level = logging.getLogger("novainfer").getEffectiveLevel()
+                # Not a daemon: the core's own ``mp`` workers are its children. It ends with this
+                # process anyway (it watches its parent), and shutdown() stops it.
+                self._process = multiprocessing.get_context("spawn").Process(
+                    target=run_engine_core, name=f"novainfer-core-{name}", daemon=False,
+                    args=(config, input_address, output_address, log_level, log_stats_interval))
+                self._process.start()
+            self.info = self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def _wait_ready(self) -> EngineCoreInfo:
+        message = self._receive(timeout_s=None)
+        if not isinstance(message, CoreReady):
+            raise EngineDeadError(f"engine core '{self.name}' sent {type(message).__name__} before it was ready")
+        return message.info
+
+    # ---- sending -----------------------------------------------------------------------------
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._send(self._encoder.add(requests))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._send(self._encoder.abort(list(request_ids)))
+
+    def _send(self, frame: bytes) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        with self._send_lock:
+            try:
+                # A PUSH socket without a peer would block: that only happens once the core is gone.
+                self._input.send(frame, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if self.is_alive():
+                    self._input.send(frame, copy=False)
+                    return
+                self._die(self._exit_description())
+                raise self.dead_error from None
+
+    # ---- receiving ---------------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        if self.dead_error is not None:
+            return False
+        runner = self._process if self._process is not None else self._thread
+        return runner is not None and runner.is_alive()
+
+    def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        """The next step's outputs (None if none came within ``timeout_s``); raises EngineDeadError
+        once the core is gone. Called from one thread only."""
+        message = self._receive(timeout_s)
+        if message is None:
+            return None
+        if not isinstance(message, StepOutputs):
+            raise EngineDeadError(f"engine core '{self.name}' sent an unexpected {type(message).__name__}")
+        outputs = message.outputs
+        if outputs.stats is not None:
+            self.stats = outputs.stats
+        return outputs
+
+    def _receive(self, timeout_s: float | None) -> StepOutputs | CoreReady | None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if self.dead_error is not None:
+                raise self.dead_error
+            wait_ms = _LIVENESS_POLL_MS
+            if deadline is not None:
+                wait_ms = max(0, min(wait_ms, int(1000 * (deadline - time.monotonic()))))
+            if self._poller.poll(wait_ms):
+                message = core_message_decoder.decode(self._output.recv(copy=False).buffer)
+                if isinstance(message, CoreFailed):
+                    self._die(f"failed: {message.error}")
+                    continue
+                return message
+            if not self.is_alive():
+                self._die(self._exit_description())
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _exit_description(self) -> str:
+        if self._closed:
+            return "is shut down"
+        if self._process is not None:
+            code = self._process.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            return f"process (pid {self._process.pid}) died ({how})"
+        return "thread stopped"
+
+    def _die(self, description: str) -> None:
+        error = EngineDeadError(f"engine core of '{self.name}' {description}")
+        if self._loop is not None and self._loop.failure is not None:
+            error.__cause__ = self._loop.failure
+        self.dead_error = error
+        logger.error("%s", error)
+
+    def make_stats(self) -> EngineCoreStats:
+        """The stats of the latest step received."""
+        return self.stats
+
+    # ---- shutdown ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stops the core (asking first, then SIGTERM, then SIGKILL) and removes the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with self._send_lock:
+                self._input.send(self._encoder.shutdown(), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        if self._process is not None and self._process.pid is not None:
+            self._process.join(_STOP_GRACE_S)
+            if self._process.is_alive():
+                logger.warning("engine core '%s' did not stop in %g s; terminating it", self.name, _STOP_GRACE_S)
+                self._process.terminate()
+                self._process.join(_STOP_GRACE_S)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(_STOP_GRACE_S)
+        if self._thread is not None:
+            self._thread.join(_STOP_GRACE_S)
+        if self.engine_core is not None:
+            try:
+                self.engine_core.shutdown()
+            except Exception:  # shutting down must not raise
+                logger.exception("engine core '%s': executor shutdown failed", self.name)
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class SyncMPClient(CoreClient):
+    """The offline engine's core in a process of its own: ``step()`` returns the core's next step."""
+
+    # step() returns empty-handed after this long, so callers can look at their own state.
+    step_timeout_s = 1.0
+
+    def __init__(self, config: EngineConfig, log_stats_interval: float = 5.0) -> None:
+        super().__init__(config, log_stats_interval, name="offline")
+
+    def step(self) -> EngineCoreOutputs:
+        outputs = self.get_output(self.step_timeout_s)
+        return outputs if outputs is not None else EngineCoreOutputs([], None, time.time())

@@ -1,0 +1,181 @@
+"""The engine core's busy loop behind ZMQ sockets, in a process of its own (``novainfer serve``,
+``LLM(..., multiprocess=True)``) or in a thread of the caller (embedding, tests).
+
+The loop drains the input socket (batches of adds and aborts) between steps, runs a step whenever
+the core has work, and sends each step's outputs as one message. It stops on :class:`Shutdown`,
+on SIGTERM (process only), or when a step raises: then it sends :class:`CoreFailed` first, so the
+front-end fails its requests with the cause instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from novainfer.config import EngineConfig
+from novainfer.core.messages import EngineCoreOutputs
+from novainfer.engine.core import EngineCore, freeze_startup_objects
+from novainfer.engine.serial import AbortRequests, AddRequests, CoreFailed, CoreReady, InputDecoder, Shutdown, \
+    StepOutputs, core_message_encoder
+
+logger = logging.getLogger(__name__)
+
+# How long the idle loop waits on its input socket before looking again (it wakes on any message).
+_IDLE_POLL_MS = 500
+# How long it waits when requests exist but nothing could be scheduled (e.g. KV cache full).
+_STALL_POLL_MS = 2
+# Test-only hooks, read from the environment when the core starts; never set them otherwise.
+# The least time a step takes (the loop sleeps out the rest), so that a browser test can act
+# while an answer is still streaming however fast the machine is:
+MIN_STEP_S_ENV = "NOVAINFER_TEST_MIN_STEP_S"
+# While the file named here exists, the loop waits before each step, as a hung device would, so
+# that tests can watch the watchdog notice:
+TEST_STALL_FILE_ENV = "NOVAINFER_TEST_STALL_FILE"
+
+
+class EngineCoreLoop:
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+        self.core = core
+        self.input = input_socket
+        self.output = output_socket
+        self.decoder = InputDecoder()
+        self.poller = zmq.Poller()
+        self.poller.register(input_socket, zmq.POLLIN)
+        self.failure: BaseException | None = None  # what ended the loop, if a step raised
+        self._stall_file = os.environ.get(TEST_STALL_FILE_ENV)
+        self._min_step_s = float(os.environ.get(MIN_STEP_S_ENV) or 0.0)
+
+    def send(self, message) -> None:
+        self.output.send(core_message_encoder.encode(message), copy=False)
+
+    def run(self) -> None:
+        """Serves until Shutdown; a failure is sent as CoreFailed, then raised."""
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - reported to the front-end, then re-raised
+            if isinstance(exc, SystemExit) and not exc.code:
+                return  # SIGTERM: a requested stop
+            self.failure = exc
+            logger.exception("engine core: loop died")
+            self.send(CoreFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            raise
+
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            received = self._receive(0 if core.has_work() else _IDLE_POLL_MS)
+            if received is None:
+                return
+            if not core.has_work():
+                if received:  # gauges see added and aborted requests before a long step
+                    self.send(StepOutputs(EngineCoreOutputs([], core.make_stats(), time.time())))
+                continue
+            self._wait_while_test_stalled()
+            steps_before = core.stats.num_steps
+            started = time.monotonic()
+            outputs = core.step()
+            if self._min_step_s:
+                time.sleep(max(0.0, started + self._min_step_s - time.monotonic()))
+            self.send(StepOutputs(outputs))
+            if core.stats.num_steps == steps_before and not outputs.outputs:
+                # Nothing could be scheduled (e.g. the KV cache is full): wait a little, not spin.
+                if self._receive(_STALL_POLL_MS) is None:
+                    return
+
+    def _receive(self, timeout_ms: int) -> int | None:
+        """Handles every message waiting (waiting up to ``timeout_ms`` for the first); returns how
+        many, or None on Shutdown."""
+        count = 0
+        if not self.poller.poll(timeout_ms):
+            return 0
+        while True:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return count
+            message = self.decoder.decode(frame.buffer)
+            count += 1
+            if isinstance(message, AddRequests):
+                self.core.add_requests(message.requests)
+            elif isinstance(message, AbortRequests):
+                self.core.abort_requests(message.request_ids)
+            elif isinstance(message, Shutdown):
+                return None
+
+    def _wait_while_test_stalled(self) -> None:
+        while self._stall_file is not None and os.path.exists(self._stall_file):
+            time.sleep(0.05)
+
+
+def connect(context: zmq.Context, input_address: str, output_address: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """The core's ends of the two sockets (the front-end binds them)."""
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.LINGER, 2000)
+    output_socket.connect(output_address)
+    return input_socket, output_socket
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: int,
+                    log_stats_interval: float) -> None:
+    """The engine-core process: builds the core, says it is ready, serves until told to stop."""
+    from novainfer.executor.multiproc_executor import configure_worker_logging, exit_with_parent
+
+    exit_with_parent()
+    # Ctrl-C in a terminal reaches every process of the group: the server stops this one itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    configure_worker_logging("engine core", log_level)
+    context = zmq.Context()
+    input_socket, output_socket = connect(context, input_address, output_address)
+    try:
+        try:
+            core = EngineCore(config, log_stats_interval=log_stats_interval)
+        except BaseException as exc:
+            logger.exception("engine core: start-up failed")
+            output_socket.send(core_message_encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}",
+                                                                      traceback.format_exc())))
+            raise SystemExit(1) from None
+        freeze_startup_objects()
+        loop = EngineCoreLoop(core, input_socket, output_socket)
+        loop.send(CoreReady(core.info))
+        try:
+            loop.run()
+        finally:
+            core.shutdown()
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close()
+        context.term()
+
+
+def start_core_thread(core: EngineCore, input_address: str, output_address: str,
+                      name: str) -> tuple[threading.Thread, EngineCoreLoop]:
+    """Runs the loop of an already built core in a daemon thread of this process (with a ZMQ
+    context of its own, so that the caller's can be closed even if this thread hangs)."""
+    context = zmq.Context()
+    input_socket, output_socket = connect(context, input_address, output_address)
+    loop = EngineCoreLoop(core, input_socket, output_socket)
+    loop.send(CoreReady(core.info))
+
+    def run() -> None:
+        try:
+            loop.run()
+        except BaseException:  # noqa: BLE001 - already logged and sent by the loop
+            pass
+        finally:
+            input_socket.close(linger=0)
+            output_socket.close(linger=0)
+            context.term()
+
+    thread = threading.Thread(target=run, name=f"novainfer-engine-{name}", daemon=True)
+    thread.start()
+    return thread, loop

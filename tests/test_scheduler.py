@@ -1,0 +1,155 @@
+"""The scheduler alone, driven by a fake runner: its per-step output messages (token deltas, finish
+and stop reasons), stop conditions, preemption and async scheduling, against a plain reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from novainfer.core.kv_cache_manager import KVCacheManager
+from novainfer.core.sched.request import Request, RequestStatus
+from novainfer.core.sched.scheduler import Scheduler, SchedulerConfig
+from novainfer.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
+                   max_model_len: int = 256, budget: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
+
+
+def add(scheduler: Scheduler, rid: str, prompt_len: int, max_tokens: int = 100, **params) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, **params)
+    params.update_from_generation_config([EOS])
+    request = Request(rid, list(range(10, 10 + prompt_len)), params, max_tokens=max_tokens)
+    scheduler.add_request(request)
+    return request
+
+
+class FakeRunner:
+    """Samples a scripted token per request (``script[rid]`` in order, then 7s) for every request
+    whose whole known sequence a step computes, as the model runner does."""
+
+    def __init__(self, script: dict[str, list[int]] | None = None) -> None:
+        self.script = {rid: list(tokens) for rid, tokens in (script or {}).items()}
+
+    def schedule(self, scheduler: Scheduler):
+        """Schedules a step; returns it and what it samples: the requests it gave a placeholder."""
+        before = {rid: r.num_output_placeholders for rid, r in scheduler.requests.items()}
+        so = scheduler.schedule()
+        rids = [rid for rid in so.num_scheduled_tokens
+                if scheduler.requests[rid].num_output_placeholders > before.get(rid, 0)]
+        tokens = [self.script[rid].pop(0) if self.script.get(rid) else 7 for rid in rids]
+        return so, (rids, tokens)
+
+    def step(self, scheduler: Scheduler):
+        so, sampled = self.schedule(scheduler)
+        return so, scheduler.update_from_output(*sampled)
+
+
+def run_to_end(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 500) -> dict[str, list]:
+    """Every output message per request, in order."""
+    messages: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return messages
+        _, outputs = runner.step(scheduler)
+        for output in outputs:
+            messages.setdefault(output.request_id, []).append(output)
+    raise AssertionError("the requests did not finish")
+
+
+def test_outputs_are_one_token_deltas_and_length_finishes_at_max_tokens():
+    scheduler = make_scheduler()
+    add(scheduler, "a", 5, max_tokens=6, ignore_eos=True)
+    add(scheduler, "b", 9, max_tokens=3, ignore_eos=True)
+    messages = run_to_end(scheduler, FakeRunner({"a": [3, 4, 5], "b": [EOS, EOS, EOS]}))
+    assert [m.new_token_ids for m in messages["a"]] == [[3], [4], [5], [7], [7], [7]]
+    assert [m.finish_reason for m in messages["a"]] == [None] * 5 + ["length"]
+    assert [m.new_token_ids for m in messages["b"]] == [[EOS]] * 3  # ignore_eos: EOS is a plain token
+    assert messages["b"][-1].finish_reason == "length"
+    # Only a request's first output carries its admission facts.
+    assert messages["a"][0].first_scheduled_time is not None and messages["a"][0].num_cached_tokens == 0
+    assert all(m.first_scheduled_time is None and m.num_cached_tokens == -1 for m in messages["a"][1:])
+    assert scheduler.kv_cache_manager.usage == 0.0 and not scheduler.running and not scheduler.waiting
+
+
+def test_eos_and_stop_token_ids_respect_min_tokens():
+    scheduler = make_scheduler()
+    add(scheduler, "eos", 4)
+    add(scheduler, "early-eos", 4, min_tokens=3)
+    add(scheduler, "stop-id", 4, stop_token_ids=[99])
+    messages = run_to_end(scheduler, FakeRunner({"eos": [5, EOS], "early-eos": [EOS, EOS, EOS],
+                                                 "stop-id": [5, 6, 99]}))
+    last = {rid: (sum((m.new_token_ids for m in ms), []), ms[-1].finish_reason, ms[-1].stop_reason)
+            for rid, ms in messages.items()}
+    assert last == {"eos": ([5, EOS], "stop", None), "early-eos": ([EOS, EOS, EOS], "stop", None),
+                    "stop-id": ([5, 6, 99], "stop", 99)}
+
+
+def test_context_length_caps_a_request():
+    scheduler = make_scheduler(max_model_len=12)
+    add(scheduler, "a", 8, max_tokens=100, ignore_eos=True)
+    messages = run_to_end(scheduler, FakeRunner())
+    tokens = sum((m.new_token_ids for m in messages["a"]), [])
+    assert len(tokens) == 12 - 8 and messages["a"][-1].finish_reason == "length"
+
+
+def test_preempted_request_resumes_and_keeps_its_tokens():
+    # 6 blocks of 4 tokens: two requests of 8-token prompts cannot both grow past 12 tokens.
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    add(scheduler, "first", 8, max_tokens=10, ignore_eos=True)
+    add(scheduler, "second", 8, max_tokens=10, ignore_eos=True)
+    runner = FakeRunner({"first": list(range(100, 110)), "second": list(range(200, 210))})
+    messages: dict[str, list[int]] = {"first": [], "second": []}
+    resumed = []
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        so, outputs = runner.step(scheduler)
+        resumed += [new.req_id for new in so.scheduled_new_reqs if new.output_token_ids]
+        for output in outputs:
+            messages[output.request_id] += output.new_token_ids
+    assert scheduler.num_preemptions_total > 0 and "second" in resumed
+    # Every request still gets exactly its scripted tokens, once each.
+    assert messages == {"first": list(range(100, 110)), "second": list(range(200, 210))}
+    assert scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_async_scheduling_places_placeholders_and_stops_at_the_limit():
+    scheduler = make_scheduler()
+    scheduler.config.async_scheduling = True
+    request = add(scheduler, "a", 4, max_tokens=2, ignore_eos=True)
+    runner = FakeRunner({"a": [5, 6]})
+    _, first_sampled = runner.schedule(scheduler)  # the prompt; it samples token 1
+    assert request.num_output_placeholders == 1
+    second, second_sampled = runner.schedule(scheduler)  # scheduled before token 1 is known: it samples token 2
+    assert second.num_scheduled_tokens == {"a": 1} and request.num_output_placeholders == 2
+    # Token 2 takes it to max_tokens: nothing more is scheduled while the two are in flight.
+    assert scheduler.schedule().is_empty
+    [out1] = scheduler.update_from_output(*first_sampled)
+    assert out1.new_token_ids == [5] and out1.finish_reason is None
+    [out2] = scheduler.update_from_output(*second_sampled)
+    assert out2.new_token_ids == [6] and out2.finish_reason == "length"
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_tokens_of_a_request_finished_while_in_flight_are_dropped():
+    scheduler = make_scheduler()
+    add(scheduler, "a", 4, ignore_eos=True)
+    add(scheduler, "b", 4, ignore_eos=True)
+    _, sampled = FakeRunner().schedule(scheduler)
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    outputs = scheduler.update_from_output(*sampled)
+    assert [o.request_id for o in outputs] == ["b"]
+    assert scheduler.schedule().finished_req_ids == {"a"}  # the workers are told to drop it
+
+
+@pytest.mark.parametrize("logprobs", [None, ([7, 3], [-0.5, -1.5], 1)])
+def test_logprobs_travel_with_their_token(logprobs):
+    scheduler = make_scheduler()
+    add(scheduler, "a", 4, max_tokens=1, ignore_eos=True)
+    _, (rids, tokens) = FakeRunner().schedule(scheduler)
+    [out] = scheduler.update_from_output(rids, tokens, [logprobs])
+    assert out.new_logprobs == (None if logprobs is None else [logprobs])

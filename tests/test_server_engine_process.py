@@ -1,0 +1,206 @@
+"""The server's two-process layout, live: the API server process and its engine-core process.
+
+One server of the tiny model serves the equality tests (many concurrent streams, a mixed batch,
+each against an offline ``LLM`` as the oracle) and is then stopped with SIGTERM, which must leave
+no child process behind. A second server, with paced steps so that its streams are still running,
+has its engine-core process killed with SIGKILL mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from novainfer import LLM, SamplingParams
+from tests.test_server_support import PACED_STEPS, metric_value, serve
+from tests.utils import tiny_model
+
+KV_BYTES = 16 << 20
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serve([str(tiny_model()), "--served-model-name", "tiny", "--kv-cache-memory-bytes", str(KV_BYTES)])
+
+
+@pytest.fixture(scope="module")
+def offline():
+    llm = LLM(str(tiny_model()), kv_cache_memory_bytes=KV_BYTES)
+    yield llm
+    llm.shutdown()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (read from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The engine-core process: the server's spawned child (not multiprocessing's resource tracker)."""
+    cores = [pid for pid in descendants(server_pid)
+             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+             and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(cores) == 1, f"expected one engine-core process below {server_pid}, found {cores}"
+    return cores[0]
+
+
+def test_the_engine_core_runs_in_a_process_of_its_own(server):
+    core = engine_core_pid(server.proc.pid)
+    assert core != server.proc.pid and alive(core)
+
+
+def test_64_concurrent_streams_each_equal_their_offline_output(server, offline):
+    prompts = [f"stream {i} of the burst: {'abcdefgh'[i % 8] * (1 + i % 5)}" for i in range(64)]
+    limits = [4 + (i * 7) % 13 for i in range(64)]
+    expected = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                                          for m in limits], use_tqdm=False)
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, limit: int) -> tuple[str, str | None]:
+        stream = await client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=limit,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        pieces, finish = [], None
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(pieces), finish
+
+    async def burst():
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(one(client, p, m) for p, m in zip(prompts, limits)))
+
+    results = asyncio.run(burst())
+    for i, ((text, finish), exp) in enumerate(zip(results, expected)):
+        assert (text, finish) == (exp.outputs[0].text, "length"), f"stream {i}"
+
+
+def test_mixed_batch_served_equals_offline_byte_for_byte(server, offline):
+    stop_source = offline.generate("Stop strings come from here", SamplingParams(temperature=0, max_tokens=16,
+                                                                                 ignore_eos=True),
+                                   use_tqdm=False)[0].outputs[0].text
+    stop = stop_source[4:7]
+    assert stop, "the greedy text is too short to take a stop string from"
+    cases = [  # (prompt, fields of the request, which are also SamplingParams')
+        ("Greedy decoding", dict(temperature=0, max_tokens=12)),
+        ("Seeded sampling", dict(temperature=0.8, top_p=0.9, seed=1234, max_tokens=12)),
+        ("Stop strings come from here", dict(temperature=0, max_tokens=16, stop=[stop])),
+        ("Logprobs of each token", dict(temperature=0, max_tokens=6, logprobs=3)),
+        ("Two seeded choices", dict(temperature=1.0, seed=7, n=2, max_tokens=10)),
+    ]
+    params = [SamplingParams(**fields, ignore_eos=True) for _, fields in cases]
+    expected = offline.generate([p for p, _ in cases], params, use_tqdm=False)
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, fields: dict):
+        return await client.completions.create(model="tiny", prompt=prompt, extra_body={"ignore_eos": True},
+                                               **fields)
+
+    async def batch():
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, p, f) for p, f in cases))
+
+    for (prompt, fields), response, exp in zip(cases, asyncio.run(batch()), expected):
+        choices = sorted(response.choices, key=lambda c: c.index)
+        assert len(choices) == len(exp.outputs), prompt
+        for choice, out in zip(choices, exp.outputs):
+            assert choice.text.encode() == out.text.encode(), prompt
+            assert (choice.finish_reason, choice.stop_reason) == (out.finish_reason, out.stop_reason), prompt
+            if "logprobs" in fields:
+                offline_values = [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs)]
+                # The same tokens; their values may differ in the last bits, as the batch they ran
+                # in (and so the shapes of the matrix products) differs from the offline run's.
+                assert choice.logprobs.token_logprobs == pytest.approx(offline_values, abs=1e-4)
+    assert expected[2].outputs[0].finish_reason == "stop"  # the stop string did end it
+
+
+def test_sigterm_of_the_server_leaves_no_child_process(server):
+    children = descendants(server.proc.pid)
+    assert children, "the server has no engine-core process"
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (server.proc.poll() is None or any(alive(p) for p in children)):
+        time.sleep(0.1)
+    assert server.proc.poll() is not None, "the server did not exit after SIGTERM"
+    assert not [p for p in children if alive(p)], f"children left running: {children}"
+
+
+# ---- the engine core killed mid-stream --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def paced_server():
+    yield from serve([str(tiny_model()), "--served-model-name", "tiny", "--kv-cache-memory-bytes", str(KV_BYTES)],
+                     env=PACED_STEPS)
+
+
+class Stream(threading.Thread):
+    def __init__(self, base_url: str) -> None:
+        super().__init__(daemon=True)
+        self.base_url = base_url
+        self.first = threading.Event()
+        self.payloads: list[str] = []
+
+    def run(self) -> None:
+        body = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{self.base_url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    self.payloads.append(line[len("data: "):])
+                    self.first.set()
+
+
+def test_killed_engine_core_fails_requests_and_the_server_stays_up(paced_server):
+    base = paced_server.base_url
+    streams = [Stream(base) for _ in range(2)]
+    for stream in streams:
+        stream.start()
+    plain: dict = {}
+    blocking = threading.Thread(target=lambda: plain.update(response=httpx.post(
+        f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 1500, "ignore_eos": True}, timeout=60)),
+        daemon=True)
+    blocking.start()
+    assert all(s.first.wait(60) for s in streams)
+    os.kill(engine_core_pid(paced_server.proc.pid), signal.SIGKILL)
+    for stream in streams:
+        stream.join(30)
+        assert not stream.is_alive(), "a stream hangs after its engine core died"
+        assert stream.payloads[-1] == "[DONE]"
+        error = httpx.Response(200, content=stream.payloads[-2]).json()["error"]
+        assert error["type"] == "server_error" and "engine" in error["message"]
+    blocking.join(30)
+    response = plain["response"]
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+    health = httpx.get(f"{base}/health", timeout=10)
+    assert health.status_code == 503 and "'tiny'" in health.json()["error"]["message"]
+    # The server itself still answers at once, and refuses new work for the dead model.
+    assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
+    assert metric_value(httpx.get(f"{base}/metrics", timeout=10).text, "novainfer:engine_alive",
+                        model_name="tiny") == 0
+    refused = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
