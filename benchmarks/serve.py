@@ -11,6 +11,8 @@ TPOT (time per output token after the first), ITL (gap between streamed chunks) 
 each as mean / median / p99 in milliseconds.
 
     python benchmarks/serve.py                                 # starts a tiny-model server on CPU
+    python benchmarks/serve.py --arch qwen2-0.5b --device cuda --tokenizer ../shared/data/qwen2_tokenizer \
+        --num-prompts 500 --max-input-tokens 1024 --output-len 256     # a GPU server, all at once
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model-name my-model --num-prompts 200
 """
 
@@ -32,8 +34,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from novainfer.entrypoints.openai.server_process import ServerProcess
-from benchmarks.common import REPO_ROOT, command_line, git_commit, load_average, machine_info, model_summary, \
-    resolve_model, scrub_path, write_results
+from benchmarks.common import REPO_ROOT, add_model_arguments, command_line, git_commit, load_average, \
+    machine_info, resolve_model_args, scrub_path, write_results
 
 DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_turns_500.json"
 _WORDS = ("the model reads a book about history science music and mathematics then answers questions "
@@ -46,13 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target = p.add_argument_group("server")
     target.add_argument("--base-url", default=None,
                         help="benchmark this running server (default: start `novainfer serve` on a free port)")
-    target.add_argument("--model", default=None, help="model directory for the started server (default: tiny)")
-    target.add_argument("--tiny-config", default=None, help="JSON overrides for a tiny model variant")
+    target.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory for the started server (default: the model's; an --arch model "
+                             "has none of its own)")
     target.add_argument("--model-name", default=None,
                         help="served model name to request (default: the server's first model)")
     target.add_argument("--api-key", default=None)
     target.add_argument("--server-args", default="",
                         help="extra flags for the started server, e.g. '--max-num-seqs 64 --device cuda'")
+    add_model_arguments(p)
     load = p.add_argument_group("workload")
     load.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     load.add_argument("--dataset", default=None,
@@ -237,6 +241,16 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 
 # ---- the server under test -------------------------------------------------------------------------------
+def server_flags(args: argparse.Namespace, device: str) -> list[str]:
+    """The started server's flags: the model options given here, then ``--server-args``."""
+    flags = ["--device", device]
+    if args.dtype != "auto":
+        flags += ["--dtype", args.dtype]
+    if args.tokenizer:
+        flags += ["--tokenizer", args.tokenizer]
+    return flags + shlex.split(args.server_args)
+
+
 def start_server(model_dir: str, server_args: list[str], api_key: str | None) -> tuple[ServerProcess, list[str]]:
     """The server and its command line as recorded in the results (paths scrubbed, no port)."""
     argv = [model_dir, *server_args, "--disable-log-requests"] + (["--api-key", api_key] if api_key else [])
@@ -262,15 +276,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = args.model_name or first_model(base_url, args.api_key)
         results, duration = asyncio.run(run_load(args, base_url, model, prompts))
         server_command = None
+        device = args.device if args.device != "auto" else "unknown"
     else:
-        model_dir, tag = resolve_model(args.model, args.tiny_config)
-        model_info = model_summary(model_dir, json.loads(args.tiny_config) if args.tiny_config else None)
-        server_process, public_argv = start_server(model_dir, shlex.split(args.server_args), args.api_key)
+        from novainfer.config import resolve_device
+
+        resolved = resolve_device(args.device)
+        device = resolved.type
+        model_dir, tag, model_info = resolve_model_args(args, resolved)
+        server_process, public_argv = start_server(model_dir, server_flags(args, device), args.api_key)
         with server_process as server:
             model = args.model_name or first_model(server.base_url, args.api_key)
             results, duration = asyncio.run(run_load(args, server.base_url, model, prompts))
         server_command = shlex.join(["novainfer", *public_argv])
-    device = "cuda" if "cuda" in args.server_args else "cpu"
     summary = summarize(results, duration)
     report = {
         "benchmark": "serve (online, vllm bench serve shape)",
