@@ -213,6 +213,9 @@ def test_edit_an_earlier_message_and_regenerate_from_there(open_chat, client):
     first = chat.page.locator("#message-list > article.msg-user").first
     first.hover()
     first.locator(".edit-btn").click()
+    # The editor takes the focus (cursor at the end) at the next frame; filling before that would let
+    # the cursor move between fill's select-all and its typing, and the text would be appended.
+    chat.page.wait_for_function("() => document.activeElement?.classList.contains('edit-input')")
     chat.page.fill(".edit-input", "an edited question")
     chat.page.click(".save-edit-btn")
     # Saving replaces the later turns with a new answer: wait for that, then for the answer to end.
