@@ -3,6 +3,8 @@ gives the same outputs as the in-process engine, and its process ends with ``shu
 
 from __future__ import annotations
 
+import pytest
+
 from novainfer import LLM, SamplingParams
 from tests.utils import tiny_model
 
@@ -31,6 +33,8 @@ def test_multiprocess_llm_equals_in_process():
     for g, e in zip(got, expected):
         assert [(c.text, c.token_ids, c.finish_reason) for c in g.outputs] == \
             [(c.text, c.token_ids, c.finish_reason) for c in e.outputs]
+    # Equal up to float32 rounding: the core's process may batch and thread its matmuls differently.
     assert [lp[t].logprob for t, lp in zip(got[2].outputs[0].token_ids, got[2].outputs[0].logprobs)] == \
-        [lp[t].logprob for t, lp in zip(expected[2].outputs[0].token_ids, expected[2].outputs[0].logprobs)]
+        pytest.approx([lp[t].logprob for t, lp in zip(expected[2].outputs[0].token_ids,
+                                                        expected[2].outputs[0].logprobs)], abs=1e-4)
     assert streamed == expected[0].outputs[0].text
