@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from novainfer.sample import LogprobsTensors, Sampler, SamplingMetadata
-from novainfer.sample.rng import exponential_noise, row_keys, seed_lanes
+from novainfer.sample.rng import exponential_noise, row_keys, seed_lanes, uniform_from_bits
 from novainfer.sample.sampler import apply_penalties, random_sample
 from novainfer.sampling_params import SamplingParams
 
@@ -203,6 +203,14 @@ def test_seeded_noise_is_a_function_of_seed_position_and_token():
     draws = torch.cat([seeded_noise(7, pos, vocab) for pos in range(200)]).double()
     assert abs(draws.mean().item() - 1) < 0.015 and abs(draws.var().item() - 1) < 0.03
     assert abs((draws > 1).double().mean().item() - math.exp(-1)) < 0.005
+
+
+def test_uniforms_of_the_extreme_hash_values_stay_inside_the_open_interval():
+    """A uniform of exactly 1 (or 0) would give noise 0 (or inf), which wins (or loses) every draw."""
+    uniform = uniform_from_bits(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1]))
+    assert bool((uniform > 0).all()) and bool((uniform < 1).all()), uniform.tolist()
+    noise = -torch.log(uniform)
+    assert bool((noise > 0).all()) and bool(noise.isfinite().all())
 
 
 # ---------------------------------------------------------------- distributions

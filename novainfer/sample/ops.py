@@ -36,7 +36,7 @@ def _exponential_noise_kernel(keys_ptr, token_ids_ptr, out_ptr, width, stride_id
     key = tl.load(keys_ptr + row).to(tl.int64)
     ids = tl.load(token_ids_ptr + row * stride_ids + cols, mask=mask, other=0).to(tl.int64)
     bits = _mix32((key + ids * _GOLDEN) & _MASK32)
-    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # rng.uniform_from_bits
     tl.store(out_ptr + row * stride_out + cols, -tl.log(uniform), mask=mask)
 
 

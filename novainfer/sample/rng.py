@@ -20,7 +20,7 @@ would have drawn for them).
 The hash works on 32-bit values held in int64 tensors, with odd multipliers below 2**31: every
 product stays below 2**63, so no signed overflow happens on any backend. It is the xor-shift /
 multiply integer hash (``x ^= x >> 16; x *= 0x45d9f3b``) applied three times, a bijection of the
-32-bit values. Uniforms keep the top 24 bits, as CUDA's float generators do.
+32-bit values. Uniforms keep the top 23 bits (see :func:`uniform_from_bits`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,13 @@ def exponential_noise_torch(keys: torch.Tensor, token_ids: torch.Tensor) -> torc
     if token_ids.dim() == 1:
         token_ids = token_ids.unsqueeze(0)
     bits = _mix32((keys.unsqueeze(1) + token_ids * GOLDEN) & MASK32)
-    # (top 24 bits + 1/2) / 2**24 lies in (0, 1) exactly in float32, so the noise is finite and > 0.
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    return -torch.log(uniform_from_bits(bits))
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hash values as float32 uniforms strictly inside (0, 1), so their noise is finite and > 0.
+
+    (top 23 bits + 1/2) / 2**23 is exact in float32 (24 significant bits). With 24 bits the largest
+    value, (2**24 - 1/2) / 2**24, would round to 1.0: noise 0, which wins any Gumbel-max draw.
+    """
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
