@@ -2,14 +2,90 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, overload
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+class FlatLogprobs(Sequence):
+    """A sequence's logprobs, one ``{token_id: Logprob}`` per position, kept in flat lists.
+
+    Reads like ``list[dict[int, Logprob]]`` (each position's dict is built when indexed), but
+    appending a position creates no container objects: ints, floats and strings are not tracked by
+    the cyclic garbage collector, while a dict of ``Logprob`` per token of every running request
+    made its passes cost more than the decode step they ran in.
+    """
+
+    __slots__ = ("_starts", "_token_ids", "_logprobs", "_ranks", "_texts")
+
+    def __init__(self) -> None:
+        self._starts = [0]  # position i holds entries _starts[i]:_starts[i + 1]
+        self._token_ids: list[int] = []
+        self._logprobs: list[float] = []
+        self._ranks: list[int] = []
+        self._texts: list[str | None] = []
+
+    def append_position(self, token_ids: list[int], logprobs: list[float], rank: int,
+                        texts: list[str | None]) -> None:
+        """Adds a position: the sampled token (its ``rank`` in the distribution) first, then the
+        top alternatives by rank (1, 2, ...); the sampled token is not repeated among them."""
+        sampled = token_ids[0]
+        for position, (token_id, value, text) in enumerate(zip(token_ids, logprobs, texts)):
+            if position and token_id == sampled:
+                continue
+            self._token_ids.append(token_id)
+            self._logprobs.append(value)
+            self._ranks.append(position or rank)
+            self._texts.append(text)
+        self._starts.append(len(self._token_ids))
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    @overload
+    def __getitem__(self, index: int) -> dict[int, Logprob]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> FlatLogprobs: ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._slice(*index.indices(len(self)))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"position {index} out of range for {len(self)} positions")
+        start, end = self._starts[index], self._starts[index + 1]
+        return {self._token_ids[i]: Logprob(self._logprobs[i], self._ranks[i], self._texts[i])
+                for i in range(start, end)}
+
+    def _slice(self, start: int, stop: int, step: int) -> FlatLogprobs:
+        if step != 1:
+            raise ValueError(f"FlatLogprobs slices take step 1, got {step}")
+        part = FlatLogprobs()
+        stop = max(start, stop)
+        lo, hi = self._starts[start], self._starts[stop]
+        part._starts = [s - lo for s in self._starts[start:stop + 1]]
+        part._token_ids = self._token_ids[lo:hi]
+        part._logprobs = self._logprobs[lo:hi]
+        part._ranks = self._ranks[lo:hi]
+        part._texts = self._texts[lo:hi]
+        return part
+
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"FlatLogprobs({list(self)!r})"
 
 
 @dataclass
@@ -18,7 +94,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: Sequence[dict[int, Logprob]] | None = None  # a FlatLogprobs from the engine
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # What is new since the previous output of this request (for streaming).

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from novainfer.engine.detokenizer import IncrementalDetokenizer
+from novainfer.engine.output_text import OutputTextState
 from tests._tokenizers import load_qwen2_tokenizer
 
 TEXTS = {
@@ -182,9 +183,40 @@ def test_streaming_decoder_agrees_with_windows_on_random_ids(tokenizer, seed, sk
     assert full.startswith(fast.text) and set(full[len(fast.text):]) <= {"\ufffd"}
 
 
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_deferred_text_equals_the_streamed_text(tokenizer, seed, skip):
+    """A request that wants only its final text decodes once; at every length (ending inside a
+    character or not) that text is what feeding the tokens step by step would have built."""
+    rng = random.Random(seed)
+    byte_tokens = [i for i in range(200, 2000) if "\ufffd" in tokenizer.decode([i])][:50]
+    pool = list(range(len(tokenizer))) + byte_tokens * 300
+    prompt = [rng.choice(pool) for _ in range(rng.randint(0, 12))]
+    ids = [rng.choice(pool) for _ in range(120)]
+    streamed = OutputTextState(tokenizer, prompt, skip_special_tokens=skip)
+    deferred = OutputTextState(tokenizer, prompt, skip_special_tokens=skip, defer=True)
+    for token in ids:
+        streamed.append_tokens([token])
+        deferred.append_tokens([token])
+        if rng.random() < 0.2:  # reads in between leave later reads right
+            assert deferred.text == streamed.text
+    assert deferred.text == streamed.text
+    assert deferred.take_delta(finished=True) == streamed.text
+
+
+def test_deferred_text_is_not_used_with_stop_strings(tokenizer):
+    """Stop strings must be searched as tokens arrive (the request ends there), deferred or not."""
+    ids = tokenizer.encode("one two three four")
+    state = OutputTextState(tokenizer, [], stop=[" three"], defer=True)
+    stops = [state.append_tokens([t]) for t in ids[:3]]
+    assert stops[-1] == " three" and state.text == "one two"
+
+
 def test_token_texts_are_single_token_decodes(tokenizer):
     from novainfer.engine.detokenizer import TokenTexts
 
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode(" ".join(TEXTS.values())) * 2  # every id asked for twice: the second from the cache
-    assert [texts(i) for i in ids] == [tokenizer.decode([i]) for i in ids]
+    expected = [tokenizer.decode([i]) for i in ids]
+    assert texts(ids[:7]) == expected[:7]  # a first batch of misses
+    assert texts(ids) == expected  # hits and misses mixed, repeated ids within one call

@@ -74,6 +74,7 @@ class IncrementalDetokenizer:
         if self._decode(context).endswith(_REPLACEMENT_CHAR):
             self._window = []
             self._read_offset = 0
+        self._context = list(self._window)
         self._stream = _decode_stream(self._backend, self._window, skip_special_tokens)
         self._text = ""
 
@@ -110,6 +111,18 @@ class IncrementalDetokenizer:
         self._text += new_text
         return new_text
 
+    def decode_output(self, token_ids: Sequence[int]) -> str:
+        """The text :meth:`add_tokens` emits for ``token_ids`` fed from the start in any chunks,
+        in one decode: that of the longest prefix whose text does not end inside a character
+        (usually all of them; a few more decodes when the output ends inside one)."""
+        ids = self._context + list(token_ids)
+        context_text = self._decode(self._context)
+        for end in range(len(ids), len(self._context), -1):
+            text = self._decode(ids[:end])
+            if not text.endswith(_REPLACEMENT_CHAR):
+                return text[len(context_text):]
+        return ""
+
     def _decode(self, token_ids: list[int]) -> str:
         # Cleanup of tokenization spaces looks across token boundaries, so
         # applying it to windows would not add up to applying it to the whole
@@ -141,10 +154,20 @@ class TokenTexts:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
+        # The Rust backend skips the wrapper's per-call conversions; the wrapper's clean-up of
+        # tokenization spaces (which the backend lacks) can change a single token's text.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend
         self._texts: dict[int, str] = {}
 
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self._tokenizer.decode([token_id])
-        return text
+    def __call__(self, token_ids: Sequence[int]) -> list[str]:
+        texts = self._texts
+        missing = [t for t in dict.fromkeys(token_ids) if t not in texts]
+        if missing:
+            texts.update(zip(missing, self._decode_each(missing)))
+        return [texts[t] for t in token_ids]
+
+    def _decode_each(self, token_ids: list[int]) -> list[str]:
+        if self._backend is not None:
+            return [self._backend.decode([t], skip_special_tokens=False) for t in token_ids]
+        return [self._tokenizer.decode([t]) for t in token_ids]

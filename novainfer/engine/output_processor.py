@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from novainfer.engine.detokenizer import TokenTexts
 from novainfer.engine.output_text import OutputTextState
-from novainfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from novainfer.outputs import CompletionOutput, FlatLogprobs, RequestMetrics, RequestOutput
 from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -25,7 +25,7 @@ class ChildState:
     index: int
     params: SamplingParams
     text: OutputTextState | None  # None when the request is not detokenized
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: FlatLogprobs | None
     cumulative_logprob: float | None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -79,9 +79,10 @@ class OutputProcessor:
                 text = OutputTextState(self.tokenizer, prompt_token_ids, stop=params.stop or (),
                                        include_stop_str_in_output=params.include_stop_str_in_output,
                                        skip_special_tokens=params.skip_special_tokens,
-                                       spaces_between_special_tokens=params.spaces_between_special_tokens)
+                                       spaces_between_special_tokens=params.spaces_between_special_tokens,
+                                       defer=output_kind == RequestOutputKind.FINAL_ONLY)
             wants_logprobs = params.logprobs is not None
-            child = ChildState(request.request_id, index, params, text, [] if wants_logprobs else None,
+            child = ChildState(request.request_id, index, params, text, FlatLogprobs() if wants_logprobs else None,
                                0.0 if wants_logprobs else None)
             parent.children.append(child)
             self.children[request.request_id] = (parent, child)
@@ -168,11 +169,8 @@ class OutputProcessor:
 
     def _add_logprobs(self, child: ChildState, logprobs: tuple[list[int], list[float], int]) -> None:
         ids, values, rank = logprobs
-        decode = self.token_texts if child.text is not None else lambda _: None
-        entry = {ids[0]: Logprob(values[0], rank, decode(ids[0]))}
-        for position, (tid, value) in enumerate(zip(ids[1:], values[1:]), start=1):
-            entry.setdefault(tid, Logprob(value, position, decode(tid)))
-        child.logprobs.append(entry)
+        texts = self.token_texts(ids) if child.text is not None else [None] * len(ids)
+        child.logprobs.append_position(ids, values, rank, texts)
         child.cumulative_logprob += values[0]
 
     def _finish(self, parent: ParentState, child: ChildState, now: float) -> None:
@@ -228,7 +226,7 @@ class OutputProcessor:
             else:
                 text = child.text.text if child.text is not None else ""
                 token_ids = list(child.token_ids)
-                logprobs = list(child.logprobs) if child.logprobs is not None else None
+                logprobs = child.logprobs[:] if child.logprobs is not None else None
             outputs.append(CompletionOutput(
                 index=child.index, text=text, token_ids=token_ids, cumulative_logprob=child.cumulative_logprob,
                 logprobs=logprobs, finish_reason=child.finish_reason, stop_reason=child.stop_reason if done else None,

@@ -31,7 +31,10 @@ class OutputTextState:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        defer: bool = False,
     ) -> None:
+        """``defer``: only the final text is wanted (no streaming); without stop strings the tokens
+        are then decoded once, when the text is first read, instead of at every step."""
         if isinstance(stop, str):
             raise TypeError(f"stop must be a sequence of strings, not the string {stop!r}")
         if any(not s for s in stop):
@@ -47,11 +50,20 @@ class OutputTextState:
         self._text = ""
         self._stop_matched: str | None = None
         self._num_streamed = 0
+        # Deferred: every output token, and whether the text has caught up with them.
+        self._deferred_ids: list[int] | None = [] if defer and not stop else None
+        self._text_is_current = True
 
     @property
     def text(self) -> str:
         """Output text so far, truncated at the stop string if one was matched."""
+        self._decode_pending()
         return self._text
+
+    def _decode_pending(self) -> None:
+        if not self._text_is_current:
+            self._text = self._detokenizer.decode_output(self._deferred_ids)
+            self._text_is_current = True
 
     def append_tokens(self, token_ids: Sequence[int]) -> str | None:
         """Detokenizes new tokens; returns the stop string they complete, else None.
@@ -65,6 +77,10 @@ class OutputTextState:
                 f"append_tokens called after stop string {self._stop_matched!r} "
                 f"already ended the output {self._text!r}"
             )
+        if self._deferred_ids is not None:
+            self._deferred_ids.extend(token_ids)
+            self._text_is_current = False
+            return None
         new_text = self._detokenizer.add_tokens(token_ids)
         offset = len(self._text)
         self._text += new_text
@@ -85,6 +101,7 @@ class OutputTextState:
         of a stop string is held back. Once it is finished, or a stop string
         was matched (the text can no longer grow), everything left is returned.
         """
+        self._decode_pending()
         end = len(self._text)
         if not finished and self._stop_matched is None:
             end -= self._stops.partial_len()
