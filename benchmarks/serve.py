@@ -2,13 +2,16 @@
 
 Prompts are the first turns of ShareGPT conversations (``../shared/data/sharegpt_v3_first_turns_500.json``
 relative to the repository root, when present) or random words. Requests arrive as a Poisson
-process (``--request-rate``, requests per second; ``inf``: all at once), optionally capped at
-``--max-concurrency`` in flight. Every request streams (``stream_options.include_usage``) with a fixed
-``--output-len`` and ``ignore_eos``, so each produces exactly that many tokens.
+process, optionally capped at ``--max-concurrency`` in flight; ``--request-rates`` lists the rates
+(requests per second; ``inf``: all at once) measured one after the other against the same server.
+Every request streams (``stream_options.include_usage``) with a fixed ``--output-len`` and
+``ignore_eos``, so each produces exactly that many tokens.
 
-Reported: request throughput, output and total token throughput, and TTFT (time to first token),
-TPOT (time per output token after the first), ITL (gap between streamed chunks) and E2E latency,
-each as mean / median / p99 in milliseconds.
+Reported per rate: request throughput, output and total token throughput, TTFT (time to first
+token), TPOT (time per output token after the first), ITL (gap between streamed chunks) and E2E
+latency, each as mean / median / p99 in milliseconds, and the CPU time of this client process
+(user + system) as a share of the wall time: well under one core means a faster client would not
+change the figures.
 
     python benchmarks/serve.py                                 # starts a tiny-model server on CPU
     python benchmarks/serve.py --arch qwen2-0.5b --device cuda --tokenizer ../shared/data/qwen2_tokenizer \
@@ -26,6 +29,8 @@ import shlex
 import statistics
 import sys
 import time
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,8 +39,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from novainfer.entrypoints.openai.server_process import ServerProcess
-from benchmarks.common import REPO_ROOT, add_model_arguments, command_line, git_commit, load_average, \
-    machine_info, resolve_model_args, scrub_path, write_results
+from benchmarks.common import REPO_ROOT, add_model_arguments, add_output_arguments, load_average, \
+    resolve_model_args, run_facts, scrub_path, write_results
 
 DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_turns_500.json"
 _WORDS = ("the model reads a book about history science music and mathematics then answers questions "
@@ -66,22 +71,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="prompts are cut to at most this many words (keeps CPU runs short)")
     load.add_argument("--random-input-words", type=int, default=64, help="words per random prompt")
     load.add_argument("--output-len", type=int, default=32, help="max_tokens of every request (EOS ignored)")
-    load.add_argument("--request-rate", type=float, default=float("inf"),
-                      help="Poisson arrival rate in requests/s (inf: send all at once)")
+    load.add_argument("--request-rates", "--request-rate", dest="request_rates", type=parse_rates, default="inf",
+                      metavar="RATES", help="Poisson arrival rates in requests/s, comma-separated and measured in "
+                                            "turn against the same server, e.g. 8,32,128,inf (inf: all at once)")
     load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     load.add_argument("--seed", type=int, default=0)
-    out = p.add_argument_group("output")
-    out.add_argument("--output", default=None,
-                     help="results file name under benchmarks/results/ (default: serve_<device>_<model>)")
-    out.add_argument("--commit", default=None, help="commit to record (default: asks git)")
+    add_output_arguments(p, "serve_<device>_<model>")
+    p.add_argument("--commit", default=None, help="commit to record (default: asks git)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.output_len < 1:
         p.error("--num-prompts and --output-len must be >= 1")
-    if args.request_rate <= 0:
-        p.error("--request-rate must be > 0 (inf for all at once)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
     return args
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"8,32,inf"`` -> ``[8.0, 32.0, inf]``: distinct request rates, each > 0."""
+    rates = []
+    for item in text.split(","):
+        try:
+            rate = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"request rate {item!r} is not a number or inf") from None
+        if not rate > 0:
+            raise argparse.ArgumentTypeError(f"request rate {item!r} must be > 0 (inf: all at once)")
+        if rate in rates:
+            raise argparse.ArgumentTypeError(f"request rate {item!r} is listed twice in {text!r}")
+        rates.append(rate)
+    return rates
+
+
+def rate_label(rate: float) -> float | str:
+    """A rate as JSON holds it: ``"inf"`` (JSON has no infinity) or the number."""
+    return "inf" if math.isinf(rate) else rate
 
 
 # ---- workload ----------------------------------------------------------------------------------------
@@ -174,33 +197,48 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
     return result
 
 
-async def run_load(args: argparse.Namespace, base_url: str, model: str, prompts: list[str]
-                   ) -> tuple[list[RequestResult], float]:
+async def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list[str]) -> list[dict[str, Any]]:
+    """Every rate of ``--request-rates`` in turn over one client, after one warm-up request: a summary per rate."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(3600.0),
+                                 limits=limits) as client:
+        await send_request(client, args, model, "warm up")  # first-request costs stay out of the numbers
+        return [await run_rate(client, args, model, prompts, rate) for rate in args.request_rates]
+
+
+async def run_rate(client, args: argparse.Namespace, model: str, prompts: list[str], rate: float) -> dict[str, Any]:
+    """All prompts arriving as a Poisson process of ``rate`` requests/s (the same draws for every rate)."""
     rng = random.Random(args.seed + 1)
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
-    async def limited(client, prompt: str) -> RequestResult:
+    async def limited(prompt: str) -> RequestResult:
         if semaphore is None:
             return await send_request(client, args, model, prompt)
         async with semaphore:
             return await send_request(client, args, model, prompt)
 
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(3600.0),
-                                 limits=limits) as client:
-        await send_request(client, args, model, "warm up")  # first-request costs stay out of the numbers
-        tasks = []
-        started = time.perf_counter()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(client, prompt)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - started
-    return list(results), duration
+    tasks = []
+    cpu_start = os.times()
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        if i and not math.isinf(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+        tasks.append(asyncio.create_task(limited(prompt)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - started
+    return {"request_rate": rate_label(rate), **summarize(list(results), duration),
+            "client_cpu": client_cpu(cpu_start, os.times(), duration)}
+
+
+def client_cpu(start: os.times_result, end: os.times_result, wall: float) -> dict[str, float]:
+    """This process's CPU seconds between two ``os.times()`` (the server's are its own process's), and
+    their share of the wall time: 1.0 is one core busy throughout."""
+    user, system = end.user - start.user, end.system - start.system
+    return {"user_s": round(user, 3), "system_s": round(system, 3), "total_s": round(user + system, 3),
+            "fraction_of_wall": round((user + system) / wall, 4)}
 
 
 # ---- statistics -----------------------------------------------------------------------------------------
@@ -274,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.base_url:
         base_url = args.base_url.rstrip("/")
         model = args.model_name or first_model(base_url, args.api_key)
-        results, duration = asyncio.run(run_load(args, base_url, model, prompts))
+        runs = asyncio.run(run_sweep(args, base_url, model, prompts))
         server_command = None
         device = args.device if args.device != "auto" else "unknown"
     else:
@@ -286,28 +324,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         server_process, public_argv = start_server(model_dir, server_flags(args, device), args.api_key)
         with server_process as server:
             model = args.model_name or first_model(server.base_url, args.api_key)
-            results, duration = asyncio.run(run_load(args, server.base_url, model, prompts))
+            runs = asyncio.run(run_sweep(args, server.base_url, model, prompts))
         server_command = shlex.join(["novainfer", *public_argv])
-    summary = summarize(results, duration)
+    facts = run_facts(device, load_start, argv, __file__)
     report = {
         "benchmark": "serve (online, vllm bench serve shape)",
-        "machine": {**machine_info(device), "load_average_1_5_15m": {"start": load_start, "end": load_average()}},
-        "commit": args.commit or git_commit(),
-        "command": command_line(),
+        "gpu": facts.pop("gpu"),
+        **facts,
+        "commit": args.commit or facts["commit"],
         "server_command": server_command,
         "model": model_info,
         "workload": {"endpoint": args.endpoint, "prompts": source, "num_prompts": args.num_prompts,
                      "max_input_words": args.max_input_tokens, "output_len": args.output_len, "ignore_eos": True,
-                     "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+                     "request_rates": [rate_label(r) for r in args.request_rates],
                      "max_concurrency": args.max_concurrency, "seed": args.seed, "stream": True},
-        "results": summary,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "results": runs,
     }
-    name = args.output or f"serve_{device}_{tag}"
-    path = write_results(name, report)
-    print(json.dumps(summary, indent=2))
+    path = write_results(args.output or f"serve_{device}_{tag}", report, args.results_dir)
+    print_table(runs)
     print(f"wrote {scrub_path(str(path))}")
     return report
+
+
+def print_table(runs: list[dict[str, Any]]) -> None:
+    """One line per rate: throughput, TTFT and ITL percentiles, the client's CPU share."""
+    print(f"{'rate/s':>7} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p99 ms':>19} "
+          f"{'ITL p50/p99 ms':>17} {'client CPU':>11}")
+    for run in runs:
+        ttft, itl = run["ttft_ms"], run["itl_ms"]
+        print(f"{run['request_rate']!s:>7} {run['completed']:>5} {run['request_throughput_per_s']:>7.2f} "
+              f"{run['output_throughput_tok_per_s']:>10.1f} {_pair(ttft):>19} {_pair(itl):>17} "
+              f"{run['client_cpu']['fraction_of_wall']:>10.0%}")
+        if run["failed"]:
+            print(f"        {run['failed']} failed: {run['errors']}")
+    print("client CPU: this process's user + system time over the wall time (100% = one core busy)")
+
+
+def _pair(summary: dict[str, float | None]) -> str:
+    return "-" if summary["median"] is None else f"{summary['median']:.1f} / {summary['p99']:.1f}"
 
 
 if __name__ == "__main__":
