@@ -5,7 +5,9 @@ relative to the repository root, when present) or random words. Requests arrive 
 process, optionally capped at ``--max-concurrency`` in flight; ``--request-rates`` lists the rates
 (requests per second; ``inf``: all at once) measured one after the other against the same server.
 Every request streams (``stream_options.include_usage``) with a fixed ``--output-len`` and
-``ignore_eos``, so each produces exactly that many tokens.
+``ignore_eos``, so each produces exactly that many tokens. Each rate's prompts start with a tag of
+their own (``[0] ``, ``[1] ``, ...): a rate never finds the previous rates' prompts in the server's
+prefix cache, so its figures do not depend on the order of the rates.
 
 Reported per rate: request throughput, output and total token throughput, TTFT (time to first
 token), TPOT (time per output token after the first), ITL (gap between streamed chunks) and E2E
@@ -13,9 +15,18 @@ latency, each as mean / median / p99 in milliseconds, and the CPU time of this c
 (user + system) as a share of the wall time: well under one core means a faster client would not
 change the figures.
 
+``--offline-companion``: once the started server has stopped (its device memory is free), the same
+prompts go through ``novainfer.LLM.generate`` in this process, with the engine arguments the server
+parsed from the same flags (model, device, dtype, tokenizer, ``--server-args``), the same
+``max_tokens`` with ``ignore_eos``, and text tokenized as the completions endpoint does (the chat
+endpoint: through the model's chat template, as ``LLM.chat``). Reported: the offline output tok/s and,
+per rate, served output tok/s over it; at the ``inf`` rate (all requests at once) that ratio is the
+cost of serving over HTTP. The offline prompts carry the tag of the ``inf`` rate (else of the first).
+
     python benchmarks/serve.py                                 # starts a tiny-model server on CPU
     python benchmarks/serve.py --arch qwen2-0.5b --device cuda --tokenizer ../shared/data/qwen2_tokenizer \
-        --num-prompts 500 --max-input-tokens 1024 --output-len 256     # a GPU server, all at once
+        --num-prompts 500 --max-input-tokens 1024 --output-len 256 --request-rates 8,32,128,inf --offline-companion
+    python benchmarks/plot_serve.py benchmarks/results/serve_cuda_qwen2-0.5b.json   # the PNG next to it
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model-name my-model --num-prompts 200
 """
 
@@ -38,6 +49,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from novainfer.engine.arg_utils import EngineArgs
 from novainfer.entrypoints.openai.server_process import ServerProcess
 from benchmarks.common import REPO_ROOT, add_model_arguments, add_output_arguments, load_average, \
     resolve_model_args, run_facts, scrub_path, write_results
@@ -76,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                             "turn against the same server, e.g. 8,32,128,inf (inf: all at once)")
     load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     load.add_argument("--seed", type=int, default=0)
+    p.add_argument("--offline-companion", action="store_true",
+                   help="after the started server stops, run the same prompts through LLM.generate with the "
+                        "server's engine arguments and report served / offline output throughput")
     add_output_arguments(p, "serve_<device>_<model>")
     p.add_argument("--commit", default=None, help="commit to record (default: asks git)")
     args = p.parse_args(argv)
@@ -83,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts and --output-len must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
+    if args.offline_companion and args.base_url:
+        p.error("--offline-companion needs the server this benchmark starts (its engine arguments), not --base-url")
     return args
 
 
@@ -206,7 +223,19 @@ async def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(3600.0),
                                  limits=limits) as client:
         await send_request(client, args, model, "warm up")  # first-request costs stay out of the numbers
-        return [await run_rate(client, args, model, prompts, rate) for rate in args.request_rates]
+        return [await run_rate(client, args, model, tag_prompts(prompts, i), rate)
+                for i, rate in enumerate(args.request_rates)]
+
+
+def tag_prompts(prompts: list[str], index: int) -> list[str]:
+    """The prompts of the ``index``-th rate, each behind that rate's tag: only repeats within a rate (and a
+    chat template's shared start) hit the prefix cache, as they would in a server's first run."""
+    return [f"[{index}] {prompt}" for prompt in prompts]
+
+
+def compared_rate_index(rates: list[float]) -> int:
+    """The rate whose prompts the offline companion runs: the burst (``inf``) if measured, else the first."""
+    return rates.index(math.inf) if math.inf in rates else 0
 
 
 async def run_rate(client, args: argparse.Namespace, model: str, prompts: list[str], rate: float) -> dict[str, Any]:
@@ -296,6 +325,43 @@ def start_server(model_dir: str, server_args: list[str], api_key: str | None) ->
     return ServerProcess(argv, startup_timeout=600, cwd=REPO_ROOT), public_argv
 
 
+def served_engine_args(model_dir: str, server_args: list[str]) -> EngineArgs:
+    """The engine arguments ``novainfer serve MODEL_DIR SERVER_ARGS`` builds, parsed by the server's own
+    command line (so unknown or bad flags fail here, before the server starts)."""
+    from novainfer.entrypoints.cli.main import build_parser
+    from novainfer.entrypoints.cli.serve import server_config_from
+
+    return server_config_from(build_parser().parse_args(["serve", model_dir, *server_args])).models[0].engine_args
+
+
+# ---- the offline companion --------------------------------------------------------------------------------
+def run_offline(engine_args: EngineArgs, args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+    """The prompts through ``LLM.generate`` (``LLM.chat`` for the chat endpoint) after one warm-up request,
+    with the requests' sampling: greedy, ``--output-len`` tokens, EOS ignored, text detokenized as streamed."""
+    from novainfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm = LLM(**vars(engine_args))
+    try:
+        if args.endpoint == "chat":
+            prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        llm.generate(prompts[:1], params, use_tqdm=False)
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        duration = time.perf_counter() - started
+    finally:
+        llm.shutdown()
+    input_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"engine": "novainfer.LLM.generate",
+            "engine_args": {k: scrub_path(v) if isinstance(v, str) else v for k, v in vars(engine_args).items()},
+            "num_prompts": len(outputs), "duration_s": round(duration, 3),
+            "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+            "request_throughput_per_s": round(len(outputs) / duration, 3),
+            "output_throughput_tok_per_s": round(output_tokens / duration, 2),
+            "ratio_definition": "per rate, output_throughput_vs_offline = served output tok/s / offline output tok/s"}
+
+
 def first_model(base_url: str, api_key: str | None) -> str:
     import httpx
 
@@ -307,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     prompts, source = load_prompts(args)
     model_info: dict[str, Any] | None = None
+    offline: dict[str, Any] | None = None
     tag = "remote"
     load_start = load_average()
     if args.base_url:
@@ -321,11 +388,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         resolved = resolve_device(args.device)
         device = resolved.type
         model_dir, tag, model_info = resolve_model_args(args, resolved)
-        server_process, public_argv = start_server(model_dir, server_flags(args, device), args.api_key)
+        flags = server_flags(args, device)
+        engine_args = served_engine_args(model_dir, flags)
+        server_process, public_argv = start_server(model_dir, flags, args.api_key)
         with server_process as server:
             model = args.model_name or first_model(server.base_url, args.api_key)
             runs = asyncio.run(run_sweep(args, server.base_url, model, prompts))
         server_command = shlex.join(["novainfer", *public_argv])
+        if args.offline_companion:
+            reference = compared_rate_index(args.request_rates)
+            offline = {"prompts_of_rate": rate_label(args.request_rates[reference]),
+                       **run_offline(engine_args, args, tag_prompts(prompts, reference))}
+            for run in runs:
+                run["output_throughput_vs_offline"] = round(
+                    run["output_throughput_tok_per_s"] / offline["output_throughput_tok_per_s"], 4)
     facts = run_facts(device, load_start, argv, __file__)
     report = {
         "benchmark": "serve (online, vllm bench serve shape)",
@@ -339,9 +415,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "request_rates": [rate_label(r) for r in args.request_rates],
                      "max_concurrency": args.max_concurrency, "seed": args.seed, "stream": True},
         "results": runs,
+        "offline_companion": offline,
     }
     path = write_results(args.output or f"serve_{device}_{tag}", report, args.results_dir)
     print_table(runs)
+    if offline is not None:
+        print(f"offline LLM.generate: {offline['output_throughput_tok_per_s']:.1f} output tok/s; served / offline: "
+              + ", ".join(f"{run['output_throughput_vs_offline']:.3f} at rate {run['request_rate']}" for run in runs))
     print(f"wrote {scrub_path(str(path))}")
     return report
 
