@@ -38,10 +38,10 @@ import json
 import random
 import shlex
 import statistics
-import sys
-import time
 import math
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,9 +195,7 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                choices = chunk.get("choices") or []
-                text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
-                if text:
+                if any(_carries_tokens(c) for c in chunk.get("choices") or []):
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - started
@@ -212,6 +210,13 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
     if not result.ok:
         result.error = "no tokens streamed"
     return result
+
+
+def _carries_tokens(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice delivers generated tokens: text, or the finish of a request whose text the
+    server held back to the end (tokens that end inside a UTF-8 character stream no text of their own).
+    A chat stream's opening role-only chunk carries none."""
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"))
 
 
 async def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list[str]) -> list[dict[str, Any]]:
@@ -369,65 +374,76 @@ def first_model(base_url: str, api_key: str | None) -> str:
     return httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
 
+@dataclass
+class Measurement:
+    """What one invocation measured, and on what."""
+
+    device: str
+    tag: str  # the model's short name in the results file's name
+    runs: list[dict[str, Any]]  # one summary per rate
+    model_info: dict[str, Any] | None = None
+    server_command: str | None = None
+    offline: dict[str, Any] | None = None
+
+
+def measure_remote(args: argparse.Namespace, prompts: list[str]) -> Measurement:
+    base_url = args.base_url.rstrip("/")
+    model = args.model_name or first_model(base_url, args.api_key)
+    runs = asyncio.run(run_sweep(args, base_url, model, prompts))
+    return Measurement(args.device if args.device != "auto" else "unknown", "remote", runs)
+
+
+def measure_started_server(args: argparse.Namespace, prompts: list[str]) -> Measurement:
+    """The sweep against a server started here, then (``--offline-companion``) the offline run once it stopped."""
+    from novainfer.config import resolve_device
+
+    resolved = resolve_device(args.device)
+    model_dir, tag, model_info = resolve_model_args(args, resolved)
+    flags = server_flags(args, resolved.type)
+    engine_args = served_engine_args(model_dir, flags)
+    server_process, public_argv = start_server(model_dir, flags, args.api_key)
+    with server_process as server:
+        model = args.model_name or first_model(server.base_url, args.api_key)
+        runs = asyncio.run(run_sweep(args, server.base_url, model, prompts))
+    measured = Measurement(resolved.type, tag, runs, model_info, shlex.join(["novainfer", *public_argv]))
+    if args.offline_companion:
+        reference = compared_rate_index(args.request_rates)
+        measured.offline = {"prompts_of_rate": rate_label(args.request_rates[reference]),
+                            **run_offline(engine_args, args, tag_prompts(prompts, reference))}
+        for run in runs:
+            run["output_throughput_vs_offline"] = round(
+                run["output_throughput_tok_per_s"] / measured.offline["output_throughput_tok_per_s"], 4)
+    return measured
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     prompts, source = load_prompts(args)
-    model_info: dict[str, Any] | None = None
-    offline: dict[str, Any] | None = None
-    tag = "remote"
     load_start = load_average()
-    if args.base_url:
-        base_url = args.base_url.rstrip("/")
-        model = args.model_name or first_model(base_url, args.api_key)
-        runs = asyncio.run(run_sweep(args, base_url, model, prompts))
-        server_command = None
-        device = args.device if args.device != "auto" else "unknown"
-    else:
-        from novainfer.config import resolve_device
-
-        resolved = resolve_device(args.device)
-        device = resolved.type
-        model_dir, tag, model_info = resolve_model_args(args, resolved)
-        flags = server_flags(args, device)
-        engine_args = served_engine_args(model_dir, flags)
-        server_process, public_argv = start_server(model_dir, flags, args.api_key)
-        with server_process as server:
-            model = args.model_name or first_model(server.base_url, args.api_key)
-            runs = asyncio.run(run_sweep(args, server.base_url, model, prompts))
-        server_command = shlex.join(["novainfer", *public_argv])
-        if args.offline_companion:
-            reference = compared_rate_index(args.request_rates)
-            offline = {"prompts_of_rate": rate_label(args.request_rates[reference]),
-                       **run_offline(engine_args, args, tag_prompts(prompts, reference))}
-            for run in runs:
-                run["output_throughput_vs_offline"] = round(
-                    run["output_throughput_tok_per_s"] / offline["output_throughput_tok_per_s"], 4)
-    facts = run_facts(device, load_start, argv, __file__)
+    measured = measure_remote(args, prompts) if args.base_url else measure_started_server(args, prompts)
+    facts = run_facts(measured.device, load_start, argv, __file__)
     report = {
         "benchmark": "serve (online, vllm bench serve shape)",
         "gpu": facts.pop("gpu"),
         **facts,
         "commit": args.commit or facts["commit"],
-        "server_command": server_command,
-        "model": model_info,
+        "server_command": measured.server_command,
+        "model": measured.model_info,
         "workload": {"endpoint": args.endpoint, "prompts": source, "num_prompts": args.num_prompts,
                      "max_input_words": args.max_input_tokens, "output_len": args.output_len, "ignore_eos": True,
                      "request_rates": [rate_label(r) for r in args.request_rates],
                      "max_concurrency": args.max_concurrency, "seed": args.seed, "stream": True},
-        "results": runs,
-        "offline_companion": offline,
+        "results": measured.runs,
+        "offline_companion": measured.offline,
     }
-    path = write_results(args.output or f"serve_{device}_{tag}", report, args.results_dir)
-    print_table(runs)
-    if offline is not None:
-        print(f"offline LLM.generate: {offline['output_throughput_tok_per_s']:.1f} output tok/s; served / offline: "
-              + ", ".join(f"{run['output_throughput_vs_offline']:.3f} at rate {run['request_rate']}" for run in runs))
+    path = write_results(args.output or f"serve_{measured.device}_{measured.tag}", report, args.results_dir)
+    print_table(measured.runs, measured.offline)
     print(f"wrote {scrub_path(str(path))}")
     return report
 
 
-def print_table(runs: list[dict[str, Any]]) -> None:
-    """One line per rate: throughput, TTFT and ITL percentiles, the client's CPU share."""
+def print_table(runs: list[dict[str, Any]], offline: dict[str, Any] | None) -> None:
+    """One line per rate: throughput, TTFT and ITL percentiles, the client's CPU share; then the offline run."""
     print(f"{'rate/s':>7} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p99 ms':>19} "
           f"{'ITL p50/p99 ms':>17} {'client CPU':>11}")
     for run in runs:
@@ -438,6 +454,10 @@ def print_table(runs: list[dict[str, Any]]) -> None:
         if run["failed"]:
             print(f"        {run['failed']} failed: {run['errors']}")
     print("client CPU: this process's user + system time over the wall time (100% = one core busy)")
+    if offline is not None:
+        ratios = ", ".join(f"{run['output_throughput_vs_offline']:.3f} at rate {run['request_rate']}" for run in runs)
+        print(f"offline LLM.generate: {offline['output_throughput_tok_per_s']:.1f} output tok/s; "
+              f"served / offline output throughput: {ratios}")
 
 
 def _pair(summary: dict[str, float | None]) -> str:
