@@ -2,17 +2,31 @@
 
 Prompts are the first turns of ShareGPT conversations (``../shared/data/sharegpt_v3_first_turns_500.json``
 relative to the repository root, when present) or random words. Requests arrive as a Poisson
-process (``--request-rate``, requests per second; ``inf``: all at once), optionally capped at
-``--max-concurrency`` in flight. Every request streams (``stream_options.include_usage``) with a fixed
-``--output-len`` and ``ignore_eos``, so each produces exactly that many tokens.
+process, optionally capped at ``--max-concurrency`` in flight; ``--request-rates`` lists the rates
+(requests per second; ``inf``: all at once) measured one after the other against the same server.
+Every request streams (``stream_options.include_usage``) with a fixed ``--output-len`` and
+``ignore_eos``, so each produces exactly that many tokens. Each rate's prompts start with a tag of
+their own (``[0] ``, ``[1] ``, ...): a rate never finds the previous rates' prompts in the server's
+prefix cache, so its figures do not depend on the order of the rates.
 
-Reported: request throughput, output and total token throughput, and TTFT (time to first token),
-TPOT (time per output token after the first), ITL (gap between streamed chunks) and E2E latency,
-each as mean / median / p99 in milliseconds.
+Reported per rate: request throughput, output and total token throughput, TTFT (time to first
+token), TPOT (time per output token after the first), ITL (gap between streamed chunks) and E2E
+latency, each as mean / median / p99 in milliseconds, and the CPU time of this client process
+(user + system) as a share of the wall time: well under one core means a faster client would not
+change the figures.
+
+``--offline-companion``: once the started server has stopped (its device memory is free), the same
+prompts go through ``novainfer.LLM.generate`` in this process, with the engine arguments the server
+parsed from the same flags (model, device, dtype, tokenizer, ``--server-args``), the same
+``max_tokens`` with ``ignore_eos``, and text tokenized as the completions endpoint does (the chat
+endpoint: through the model's chat template, as ``LLM.chat``). Reported: the offline output tok/s and,
+per rate, served output tok/s over it; at the ``inf`` rate (all requests at once) that ratio is the
+cost of serving over HTTP. The offline prompts carry the tag of the ``inf`` rate (else of the first).
 
     python benchmarks/serve.py                                 # starts a tiny-model server on CPU
     python benchmarks/serve.py --arch qwen2-0.5b --device cuda --tokenizer ../shared/data/qwen2_tokenizer \
-        --num-prompts 500 --max-input-tokens 1024 --output-len 256     # a GPU server, all at once
+        --num-prompts 500 --max-input-tokens 1024 --output-len 256 --request-rates 8,32,128,inf --offline-companion
+    python benchmarks/plot_serve.py benchmarks/results/serve_cuda_qwen2-0.5b.json   # the PNG next to it
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model-name my-model --num-prompts 200
 """
 
@@ -24,6 +38,8 @@ import json
 import random
 import shlex
 import statistics
+import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,9 +49,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from novainfer.engine.arg_utils import EngineArgs
 from novainfer.entrypoints.openai.server_process import ServerProcess
-from benchmarks.common import REPO_ROOT, add_model_arguments, command_line, git_commit, load_average, \
-    machine_info, resolve_model_args, scrub_path, write_results
+from benchmarks.common import REPO_ROOT, add_model_arguments, add_output_arguments, load_average, \
+    resolve_model_args, run_facts, scrub_path, write_results
 
 DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_turns_500.json"
 _WORDS = ("the model reads a book about history science music and mathematics then answers questions "
@@ -66,22 +83,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="prompts are cut to at most this many words (keeps CPU runs short)")
     load.add_argument("--random-input-words", type=int, default=64, help="words per random prompt")
     load.add_argument("--output-len", type=int, default=32, help="max_tokens of every request (EOS ignored)")
-    load.add_argument("--request-rate", type=float, default=float("inf"),
-                      help="Poisson arrival rate in requests/s (inf: send all at once)")
+    load.add_argument("--request-rates", "--request-rate", dest="request_rates", type=parse_rates, default="inf",
+                      metavar="RATES", help="Poisson arrival rates in requests/s, comma-separated and measured in "
+                                            "turn against the same server, e.g. 8,32,128,inf (inf: all at once)")
     load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     load.add_argument("--seed", type=int, default=0)
-    out = p.add_argument_group("output")
-    out.add_argument("--output", default=None,
-                     help="results file name under benchmarks/results/ (default: serve_<device>_<model>)")
-    out.add_argument("--commit", default=None, help="commit to record (default: asks git)")
+    p.add_argument("--offline-companion", action="store_true",
+                   help="after the started server stops, run the same prompts through LLM.generate with the "
+                        "server's engine arguments and report served / offline output throughput")
+    add_output_arguments(p, "serve_<device>_<model>")
+    p.add_argument("--commit", default=None, help="commit to record (default: asks git)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.output_len < 1:
         p.error("--num-prompts and --output-len must be >= 1")
-    if args.request_rate <= 0:
-        p.error("--request-rate must be > 0 (inf for all at once)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
+    if args.offline_companion and args.base_url:
+        p.error("--offline-companion needs the server this benchmark starts (its engine arguments), not --base-url")
     return args
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"8,32,inf"`` -> ``[8.0, 32.0, inf]``: distinct request rates, each > 0."""
+    rates = []
+    for item in text.split(","):
+        try:
+            rate = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"request rate {item!r} is not a number or inf") from None
+        if not rate > 0:
+            raise argparse.ArgumentTypeError(f"request rate {item!r} must be > 0 (inf: all at once)")
+        if rate in rates:
+            raise argparse.ArgumentTypeError(f"request rate {item!r} is listed twice in {text!r}")
+        rates.append(rate)
+    return rates
+
+
+def rate_label(rate: float) -> float | str:
+    """A rate as JSON holds it: ``"inf"`` (JSON has no infinity) or the number."""
+    return "inf" if math.isinf(rate) else rate
 
 
 # ---- workload ----------------------------------------------------------------------------------------
@@ -155,9 +195,7 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                choices = chunk.get("choices") or []
-                text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
-                if text:
+                if any(_carries_tokens(c) for c in chunk.get("choices") or []):
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - started
@@ -174,33 +212,67 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
     return result
 
 
-async def run_load(args: argparse.Namespace, base_url: str, model: str, prompts: list[str]
-                   ) -> tuple[list[RequestResult], float]:
+def _carries_tokens(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice delivers generated tokens: text, or the finish of a request whose text the
+    server held back to the end (tokens that end inside a UTF-8 character stream no text of their own).
+    A chat stream's opening role-only chunk carries none."""
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"))
+
+
+async def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list[str]) -> list[dict[str, Any]]:
+    """Every rate of ``--request-rates`` in turn over one client, after one warm-up request: a summary per rate."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(3600.0),
+                                 limits=limits) as client:
+        await send_request(client, args, model, "warm up")  # first-request costs stay out of the numbers
+        return [await run_rate(client, args, model, tag_prompts(prompts, i), rate)
+                for i, rate in enumerate(args.request_rates)]
+
+
+def tag_prompts(prompts: list[str], index: int) -> list[str]:
+    """The prompts of the ``index``-th rate, each behind that rate's tag: only repeats within a rate (and a
+    chat template's shared start) hit the prefix cache, as they would in a server's first run."""
+    return [f"[{index}] {prompt}" for prompt in prompts]
+
+
+def compared_rate_index(rates: list[float]) -> int:
+    """The rate whose prompts the offline companion runs: the burst (``inf``) if measured, else the first."""
+    return rates.index(math.inf) if math.inf in rates else 0
+
+
+async def run_rate(client, args: argparse.Namespace, model: str, prompts: list[str], rate: float) -> dict[str, Any]:
+    """All prompts arriving as a Poisson process of ``rate`` requests/s (the same draws for every rate)."""
     rng = random.Random(args.seed + 1)
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
-    async def limited(client, prompt: str) -> RequestResult:
+    async def limited(prompt: str) -> RequestResult:
         if semaphore is None:
             return await send_request(client, args, model, prompt)
         async with semaphore:
             return await send_request(client, args, model, prompt)
 
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(3600.0),
-                                 limits=limits) as client:
-        await send_request(client, args, model, "warm up")  # first-request costs stay out of the numbers
-        tasks = []
-        started = time.perf_counter()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(client, prompt)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - started
-    return list(results), duration
+    tasks = []
+    cpu_start = os.times()
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        if i and not math.isinf(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+        tasks.append(asyncio.create_task(limited(prompt)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - started
+    return {"request_rate": rate_label(rate), **summarize(list(results), duration),
+            "client_cpu": client_cpu(cpu_start, os.times(), duration)}
+
+
+def client_cpu(start: os.times_result, end: os.times_result, wall: float) -> dict[str, float]:
+    """This process's CPU seconds between two ``os.times()`` (the server's are its own process's), and
+    their share of the wall time: 1.0 is one core busy throughout."""
+    user, system = end.user - start.user, end.system - start.system
+    return {"user_s": round(user, 3), "system_s": round(system, 3), "total_s": round(user + system, 3),
+            "fraction_of_wall": round((user + system) / wall, 4)}
 
 
 # ---- statistics -----------------------------------------------------------------------------------------
@@ -258,6 +330,43 @@ def start_server(model_dir: str, server_args: list[str], api_key: str | None) ->
     return ServerProcess(argv, startup_timeout=600, cwd=REPO_ROOT), public_argv
 
 
+def served_engine_args(model_dir: str, server_args: list[str]) -> EngineArgs:
+    """The engine arguments ``novainfer serve MODEL_DIR SERVER_ARGS`` builds, parsed by the server's own
+    command line (so unknown or bad flags fail here, before the server starts)."""
+    from novainfer.entrypoints.cli.main import build_parser
+    from novainfer.entrypoints.cli.serve import server_config_from
+
+    return server_config_from(build_parser().parse_args(["serve", model_dir, *server_args])).models[0].engine_args
+
+
+# ---- the offline companion --------------------------------------------------------------------------------
+def run_offline(engine_args: EngineArgs, args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+    """The prompts through ``LLM.generate`` (``LLM.chat`` for the chat endpoint) after one warm-up request,
+    with the requests' sampling: greedy, ``--output-len`` tokens, EOS ignored, text detokenized as streamed."""
+    from novainfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm = LLM(**vars(engine_args))
+    try:
+        if args.endpoint == "chat":
+            prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        llm.generate(prompts[:1], params, use_tqdm=False)
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        duration = time.perf_counter() - started
+    finally:
+        llm.shutdown()
+    input_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"engine": "novainfer.LLM.generate",
+            "engine_args": {k: scrub_path(v) if isinstance(v, str) else v for k, v in vars(engine_args).items()},
+            "num_prompts": len(outputs), "duration_s": round(duration, 3),
+            "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+            "request_throughput_per_s": round(len(outputs) / duration, 3),
+            "output_throughput_tok_per_s": round(output_tokens / duration, 2),
+            "ratio_definition": "per rate, output_throughput_vs_offline = served output tok/s / offline output tok/s"}
+
+
 def first_model(base_url: str, api_key: str | None) -> str:
     import httpx
 
@@ -265,49 +374,94 @@ def first_model(base_url: str, api_key: str | None) -> str:
     return httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
 
+@dataclass
+class Measurement:
+    """What one invocation measured, and on what."""
+
+    device: str
+    tag: str  # the model's short name in the results file's name
+    runs: list[dict[str, Any]]  # one summary per rate
+    model_info: dict[str, Any] | None = None
+    server_command: str | None = None
+    offline: dict[str, Any] | None = None
+
+
+def measure_remote(args: argparse.Namespace, prompts: list[str]) -> Measurement:
+    base_url = args.base_url.rstrip("/")
+    model = args.model_name or first_model(base_url, args.api_key)
+    runs = asyncio.run(run_sweep(args, base_url, model, prompts))
+    return Measurement(args.device if args.device != "auto" else "unknown", "remote", runs)
+
+
+def measure_started_server(args: argparse.Namespace, prompts: list[str]) -> Measurement:
+    """The sweep against a server started here, then (``--offline-companion``) the offline run once it stopped."""
+    from novainfer.config import resolve_device
+
+    resolved = resolve_device(args.device)
+    model_dir, tag, model_info = resolve_model_args(args, resolved)
+    flags = server_flags(args, resolved.type)
+    engine_args = served_engine_args(model_dir, flags)
+    server_process, public_argv = start_server(model_dir, flags, args.api_key)
+    with server_process as server:
+        model = args.model_name or first_model(server.base_url, args.api_key)
+        runs = asyncio.run(run_sweep(args, server.base_url, model, prompts))
+    measured = Measurement(resolved.type, tag, runs, model_info, shlex.join(["novainfer", *public_argv]))
+    if args.offline_companion:
+        reference = compared_rate_index(args.request_rates)
+        measured.offline = {"prompts_of_rate": rate_label(args.request_rates[reference]),
+                            **run_offline(engine_args, args, tag_prompts(prompts, reference))}
+        for run in runs:
+            run["output_throughput_vs_offline"] = round(
+                run["output_throughput_tok_per_s"] / measured.offline["output_throughput_tok_per_s"], 4)
+    return measured
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     prompts, source = load_prompts(args)
-    model_info: dict[str, Any] | None = None
-    tag = "remote"
     load_start = load_average()
-    if args.base_url:
-        base_url = args.base_url.rstrip("/")
-        model = args.model_name or first_model(base_url, args.api_key)
-        results, duration = asyncio.run(run_load(args, base_url, model, prompts))
-        server_command = None
-        device = args.device if args.device != "auto" else "unknown"
-    else:
-        from novainfer.config import resolve_device
-
-        resolved = resolve_device(args.device)
-        device = resolved.type
-        model_dir, tag, model_info = resolve_model_args(args, resolved)
-        server_process, public_argv = start_server(model_dir, server_flags(args, device), args.api_key)
-        with server_process as server:
-            model = args.model_name or first_model(server.base_url, args.api_key)
-            results, duration = asyncio.run(run_load(args, server.base_url, model, prompts))
-        server_command = shlex.join(["novainfer", *public_argv])
-    summary = summarize(results, duration)
+    measured = measure_remote(args, prompts) if args.base_url else measure_started_server(args, prompts)
+    facts = run_facts(measured.device, load_start, argv, __file__)
     report = {
         "benchmark": "serve (online, vllm bench serve shape)",
-        "machine": {**machine_info(device), "load_average_1_5_15m": {"start": load_start, "end": load_average()}},
-        "commit": args.commit or git_commit(),
-        "command": command_line(),
-        "server_command": server_command,
-        "model": model_info,
+        "gpu": facts.pop("gpu"),
+        **facts,
+        "commit": args.commit or facts["commit"],
+        "server_command": measured.server_command,
+        "model": measured.model_info,
         "workload": {"endpoint": args.endpoint, "prompts": source, "num_prompts": args.num_prompts,
                      "max_input_words": args.max_input_tokens, "output_len": args.output_len, "ignore_eos": True,
-                     "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+                     "request_rates": [rate_label(r) for r in args.request_rates],
                      "max_concurrency": args.max_concurrency, "seed": args.seed, "stream": True},
-        "results": summary,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "results": measured.runs,
+        "offline_companion": measured.offline,
     }
-    name = args.output or f"serve_{device}_{tag}"
-    path = write_results(name, report)
-    print(json.dumps(summary, indent=2))
+    path = write_results(args.output or f"serve_{measured.device}_{measured.tag}", report, args.results_dir)
+    print_table(measured.runs, measured.offline)
     print(f"wrote {scrub_path(str(path))}")
     return report
+
+
+def print_table(runs: list[dict[str, Any]], offline: dict[str, Any] | None) -> None:
+    """One line per rate: throughput, TTFT and ITL percentiles, the client's CPU share; then the offline run."""
+    print(f"{'rate/s':>7} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p99 ms':>19} "
+          f"{'ITL p50/p99 ms':>17} {'client CPU':>11}")
+    for run in runs:
+        ttft, itl = run["ttft_ms"], run["itl_ms"]
+        print(f"{run['request_rate']!s:>7} {run['completed']:>5} {run['request_throughput_per_s']:>7.2f} "
+              f"{run['output_throughput_tok_per_s']:>10.1f} {_pair(ttft):>19} {_pair(itl):>17} "
+              f"{run['client_cpu']['fraction_of_wall']:>10.0%}")
+        if run["failed"]:
+            print(f"        {run['failed']} failed: {run['errors']}")
+    print("client CPU: this process's user + system time over the wall time (100% = one core busy)")
+    if offline is not None:
+        ratios = ", ".join(f"{run['output_throughput_vs_offline']:.3f} at rate {run['request_rate']}" for run in runs)
+        print(f"offline LLM.generate: {offline['output_throughput_tok_per_s']:.1f} output tok/s; "
+              f"served / offline output throughput: {ratios}")
+
+
+def _pair(summary: dict[str, float | None]) -> str:
+    return "-" if summary["median"] is None else f"{summary['median']:.1f} / {summary['p99']:.1f}"
 
 
 if __name__ == "__main__":

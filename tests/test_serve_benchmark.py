@@ -1,0 +1,140 @@
+"""benchmarks/serve.py end to end on the tiny model on CPU: a started server measured at two request
+rates, then the same prompts through LLM.generate. Token counts are checked against the model's own
+tokenizer (transformers) and the requests' max_tokens; plot_serve.py draws the results file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from benchmarks import plot_serve, serve
+
+OUTPUT_LEN = 4
+MAX_WORDS = 12
+TEXTS = ["What is the capital of France and why did it become the capital instead of another large city?",
+         "Write a short poem about the sea.",
+         "Explain how a hash map works, with its average and worst case costs for lookups and inserts.",
+         "def add(a, b): return a + b  # what does this function do?",
+         "Summarize the plot of a famous novel in two sentences.",
+         "List three prime numbers greater than one hundred and show how you checked them."]
+# os.times() counts in clock ticks: each of user and system time may read one tick more than was spent.
+CPU_TICK_SLACK_S = 2 / os.sysconf("SC_CLK_TCK")
+
+
+def assert_rate(per_s: float, count: int, duration_s: float) -> None:
+    """``per_s`` is ``count / duration`` for a duration that rounds to ``duration_s`` (milliseconds)."""
+    assert count / (duration_s + 0.0005) - 0.01 <= per_s <= count / max(duration_s - 0.0005, 1e-9) + 0.01
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> tuple[dict, object]:
+    """One run of serve.py: rates inf then 50, with the offline companion; (report, results directory)."""
+    out = tmp_path_factory.mktemp("serve")
+    dataset = out / "conversations.json"
+    dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": t}]} for t in TEXTS]))
+    report = serve.main(["--device", "cpu", "--dataset", str(dataset), "--num-prompts", str(len(TEXTS)),
+                         "--max-input-tokens", str(MAX_WORDS), "--output-len", str(OUTPUT_LEN),
+                         "--request-rates", "inf,50", "--offline-companion",
+                         "--results-dir", str(out), "--output", "run"])
+    return report, out
+
+
+def test_request_rates_are_parsed_and_bad_ones_named(capsys):
+    assert serve.parse_args(["--request-rates", "8,32,inf"]).request_rates == [8.0, 32.0, math.inf]
+    assert serve.parse_args(["--request-rate", "4"]).request_rates == [4.0]  # the single-rate spelling
+    assert serve.parse_args([]).request_rates == [math.inf]
+    for bad, message in (("0", "must be > 0"), ("nan", "must be > 0"), ("fast", "not a number"),
+                         ("8,8", "listed twice")):
+        with pytest.raises(SystemExit):
+            serve.parse_args(["--request-rates", bad])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--base-url", "http://127.0.0.1:9", "--offline-companion"])
+    assert "--offline-companion needs the server this benchmark starts" in capsys.readouterr().err
+
+
+def test_server_flags_become_the_servers_engine_arguments(capsys):
+    """Engine flags are taken, serving-only flags accepted and dropped, unknown flags refused."""
+    engine_args = serve.served_engine_args("tiny", ["--device", "cpu", "--max-num-seqs", "8", "--max-waiting-requests",
+                                                    "5", "--no-enable-prefix-caching", "--block-size", "32"])
+    assert (engine_args.model, engine_args.device, engine_args.max_num_seqs, engine_args.enable_prefix_caching,
+            engine_args.block_size) == ("tiny", "cpu", 8, False, 32)
+    with pytest.raises(SystemExit):
+        serve.served_engine_args("tiny", ["--max-num-sequences", "8"])
+    assert "--max-num-sequences" in capsys.readouterr().err
+
+
+def test_every_rate_serves_every_request_in_full(sweep, model_dir):
+    from transformers import AutoTokenizer
+
+    report, out = sweep
+    assert json.loads((out / "run.json").read_text()) == report
+    assert report["workload"]["request_rates"] == ["inf", 50.0]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cut = [" ".join(t.split()[:MAX_WORDS]) for t in TEXTS]
+    runs = report["results"]
+    assert [run["request_rate"] for run in runs] == ["inf", 50.0]
+    for index, run in enumerate(runs):
+        # The completions endpoint encodes text without special tokens, as the engine does.
+        expected_input = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in serve.tag_prompts(cut, index))
+        assert (run["completed"], run["failed"], run["errors"]) == (len(TEXTS), 0, [])
+        # max_tokens caps every request at OUTPUT_LEN: the total is reached only if each produced all of them.
+        assert run["total_output_tokens"] == len(TEXTS) * OUTPUT_LEN
+        assert run["total_input_tokens"] == expected_input
+        assert_rate(run["output_throughput_tok_per_s"], run["total_output_tokens"], run["duration_s"])
+        assert 0 < run["ttft_ms"]["median"] <= run["e2e_latency_ms"]["median"]
+        assert run["ttft_ms"]["median"] <= run["ttft_ms"]["p99"] and run["itl_ms"]["median"] <= run["itl_ms"]["p99"]
+
+
+def test_client_cpu_time_is_within_what_the_machine_allows(sweep):
+    report, _ = sweep
+    cpus = report["machine"]["usable_cpus"]
+    for run in report["results"]:
+        cpu, wall = run["client_cpu"], run["duration_s"]
+        assert cpu["user_s"] >= 0 and cpu["system_s"] >= 0
+        assert cpu["total_s"] == pytest.approx(cpu["user_s"] + cpu["system_s"], abs=0.002)
+        assert cpu["total_s"] <= wall * cpus + CPU_TICK_SLACK_S
+        assert_rate(cpu["fraction_of_wall"], cpu["total_s"], wall)
+
+
+def test_offline_companion_generates_what_was_served(sweep):
+    report, _ = sweep
+    offline = report["offline_companion"]
+    burst = report["results"][0]
+    assert offline["prompts_of_rate"] == "inf"
+    assert offline["engine_args"]["device"] == "cpu"
+    assert offline["num_prompts"] == len(TEXTS)
+    assert offline["total_output_tokens"] == burst["total_output_tokens"] == len(TEXTS) * OUTPUT_LEN
+    assert offline["total_input_tokens"] == burst["total_input_tokens"]
+    assert_rate(offline["output_throughput_tok_per_s"], offline["total_output_tokens"], offline["duration_s"])
+    for run in report["results"]:
+        assert run["output_throughput_vs_offline"] == pytest.approx(
+            run["output_throughput_tok_per_s"] / offline["output_throughput_tok_per_s"], abs=6e-5)  # 4 decimals
+
+
+def test_rates_on_the_plot_axis():
+    assert plot_serve.rate_positions([2, 50.0, "inf"]) == ([2.0, 50.0, 200.0], ["2", "50", "inf"])
+    assert plot_serve.rate_positions(["inf"]) == ([1.0], ["inf"])
+
+
+def test_plot_without_matplotlib_names_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"workload": {}, "results": []}))
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        plot_serve.main([str(path)])
+
+
+def test_plot_of_the_sweep(sweep):
+    pytest.importorskip("matplotlib", reason="matplotlib is not a NovaInfer dependency")
+    from matplotlib.image import imread
+
+    _, out = sweep
+    png = plot_serve.main([str(out / "run.json")])
+    assert png == out / "run.png"
+    height, width, _ = imread(png).shape
+    assert (width, height) == (1800, 540)
