@@ -20,6 +20,7 @@ from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.sched.request import Request
 from novainfer.core.sched.scheduler import Scheduler, SchedulerConfig
 from novainfer.engine.arg_utils import EngineArgs
+from tests.test_step_graphs import emulated_graphs  # noqa: F401 (a fixture)
 from tests.utils import SMALL_KV, hf_greedy, hf_logits, random_ids, tiny_model
 
 MAX_TOKENS = 40
@@ -261,3 +262,28 @@ def test_unsupported_sampling_settings_raise_at_add_request(spec_model_dir, para
     with pytest.raises(ValueError, match=field):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **params), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_speculative_steps_replay_mixed_graphs(request, spec_model_dir, prompts, plain_greedy):
+    """With (CPU-emulated) CUDA graphs, steps with drafts replay mixed-step graphs where their tokens
+    and logits rows fit one, and the tokens stay those of plain greedy decoding."""
+    replayed = request.getfixturevalue("emulated_graphs")
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    completions, stats = generate(spec_model_dir, prompts, params, ngram(2), device="cpu", max_num_seqs=16,
+                                  max_cudagraph_capture_size=64, kv_cache_memory_bytes=SMALL_KV)
+    assert [c.token_ids for c in completions] == plain_greedy()
+    assert_both_paths_ran(stats)
+    assert any(key.kind == "mixed" for key in replayed)
+
+
+def test_disable_by_batch_size(spec_model_dir, prompts, plain_greedy):
+    """Nothing is drafted while more requests run than ``disable_by_batch_size``."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    completions, stats = generate(spec_model_dir, prompts, params, ngram(3, disable_by_batch_size=1),
+                                  max_num_seqs=len(prompts), kv_cache_memory_bytes=SMALL_KV)
+    assert [c.token_ids for c in completions] == plain_greedy()
+    # All requests run together to the end (same max_tokens): never one alone.
+    assert stats.spec_decode_num_draft_tokens_total == 0
+    _, alone = generate(spec_model_dir, prompts[:1], params, ngram(3, disable_by_batch_size=1),
+                        kv_cache_memory_bytes=SMALL_KV)
+    assert alone.spec_decode_num_draft_tokens_total > 0
