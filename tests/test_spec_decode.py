@@ -94,8 +94,7 @@ def test_greedy_outputs_equal_those_without_speculation(spec_model_dir, prompts,
     assert_both_paths_ran(stats)
     if config == "preemption":
         assert stats.num_preemptions_total > 0
-    # Fewer steps than tokens: steps emitted several tokens per request.
-    assert stats.generation_tokens_total == len(prompts) * MAX_TOKENS
+    assert stats.generation_tokens_total == len(prompts) * MAX_TOKENS  # each accepted token counted once
 
 
 def test_greedy_matches_transformers(spec_model_dir, prompts):
@@ -131,8 +130,9 @@ def test_max_tokens_is_never_exceeded(spec_model_dir, prompts, plain_greedy, max
     assert [c.token_ids for c in completions] == [t[:max_tokens] for t in plain_greedy()]
 
 
-def test_stop_token_ends_a_request_inside_an_accepted_run(spec_model_dir, prompts, plain_greedy):
-    """Each request stops at the first occurrence of a token from the middle of its plain output."""
+def test_stop_token_ids_end_requests_as_without_speculation(spec_model_dir, prompts, plain_greedy):
+    """Each request stops at the first occurrence of a token from the middle of its plain output (a
+    stop inside one step's accepted tokens is checked on the scheduler below)."""
     expected, per_request = [], []
     for tokens in plain_greedy():
         stop = tokens[len(tokens) // 2]
@@ -143,6 +143,23 @@ def test_stop_token_ends_a_request_inside_an_accepted_run(spec_model_dir, prompt
     assert [c.token_ids for c in completions] == expected
     assert all(c.finish_reason == "stop" for c in completions)
     assert stats.spec_decode_num_accepted_tokens_total > 0
+
+
+def test_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompts, plain_greedy):
+    """A stop string (the front-end's, on the text) inside a step's accepted tokens ends the request
+    where it ends without speculation, text and tokens."""
+    inputs = [{"prompt_token_ids": p} for p in prompts[:3]]
+    plain = LLM(str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV).generate(
+        inputs, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS), use_tqdm=False)
+    texts = [o.outputs[0].text for o in plain]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS,
+                             stop=[t[len(t) // 2:len(t) // 2 + 3]]) for t in texts]
+    expected = LLM(str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV).generate(inputs, params, use_tqdm=False)
+    got = LLM(str(spec_model_dir), speculative_config=ngram(5), kv_cache_memory_bytes=SMALL_KV).generate(
+        inputs, params, use_tqdm=False)
+    for e, g in zip(expected, got):
+        assert (g.outputs[0].text, g.outputs[0].token_ids) == (e.outputs[0].text, e.outputs[0].token_ids)
+        assert g.outputs[0].finish_reason == e.outputs[0].finish_reason == "stop"
 
 
 def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_drafts():
