@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from novainfer.models.config_utils import get_head_dim
+from novainfer.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -264,3 +265,4 @@ class EngineConfig:
     scheduler_config: Any
     parallel_config: ParallelConfig
     device: torch.device
+    speculative_config: SpeculativeConfig | None = None

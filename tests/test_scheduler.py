@@ -40,7 +40,7 @@ class FakeRunner:
         so = scheduler.schedule()
         rids = [rid for rid in so.num_scheduled_tokens
                 if scheduler.requests[rid].num_output_placeholders > before.get(rid, 0)]
-        tokens = [self.script[rid].pop(0) if self.script.get(rid) else 7 for rid in rids]
+        tokens = [[self.script[rid].pop(0) if self.script.get(rid) else 7] for rid in rids]
         return so, (rids, tokens)
 
     def step(self, scheduler: Scheduler):

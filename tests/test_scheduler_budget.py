@@ -25,7 +25,7 @@ def _run_step(scheduler: Scheduler) -> dict[str, int]:
     out = scheduler.schedule()
     sampled = [rid for rid, n in out.num_scheduled_tokens.items()
                if scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_tokens]
-    scheduler.update_from_output(sampled, [7] * len(sampled))
+    scheduler.update_from_output(sampled, [[7]] * len(sampled))
     return out.num_scheduled_tokens
 
 

@@ -201,6 +201,16 @@ class KVCacheManager:
             self._cache_full_blocks(request, token_ids)
         return new_block_ids
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Counts only the request's first ``num_tokens`` tokens as computed (speculative decoding's
+        rejected drafts); its blocks stay allocated, and later steps write those slots again.
+        Hashed (cacheable) blocks hold known tokens only and are never cut."""
+        request = self._get_request(request_id)
+        if not request.num_hashed_blocks * self.block_size <= num_tokens <= request.num_tokens:
+            raise ValueError(f"request {request_id!r}: num_tokens must be in "
+                             f"[{request.num_hashed_blocks * self.block_size}, {request.num_tokens}], got {num_tokens}")
+        request.num_tokens = num_tokens
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks and forget it; unknown ids are ignored.
 

@@ -53,6 +53,9 @@ class EngineCoreStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # Speculative decoding: draft tokens verified and accepted since start (acceptance rate: their ratio).
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
     step_time_total: float = 0.0  # seconds in step()
     model_time_total: float = 0.0  # seconds of that inside the executor (forward + sampling)
     # Steps and their seconds by what they computed: "decode", "prefill" or "mixed".

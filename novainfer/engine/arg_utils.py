@@ -10,6 +10,7 @@ from novainfer.builtin_models import resolve_model
 from novainfer.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, normalize_parallel_config, \
     resolve_device
 from novainfer.core.sched.scheduler import SchedulerConfig
+from novainfer.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -43,6 +44,9 @@ class EngineArgs:
     enable_vocab_parallel: bool = False  # split the embedding and LM head over the vocabulary
     disable_custom_all_reduce: bool = False  # small GPU all-reduces through NCCL, not the custom kernels
     log_stats_interval: float = 5.0
+    # Speculative decoding, with vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": None}. None: off.
+    speculative_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -56,6 +60,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         model = resolve_model(self.model)
         device = resolve_device(self.device)
+        speculative_config = self._speculative_config()
         model_config = ModelConfig(model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
                                    max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
                                    max_cudagraph_capture_size=self.max_cudagraph_capture_size,
@@ -68,7 +73,8 @@ class EngineArgs:
         max_batched = self.max_num_batched_tokens or max(8192, model_config.max_model_len)
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=self.max_num_seqs,
                                            max_model_len=model_config.max_model_len,
-                                           async_scheduling=(device.type == "cuda" if self.async_scheduling is None
+                                           async_scheduling=(device.type == "cuda" and speculative_config is None
+                                                             if self.async_scheduling is None
                                                              else self.async_scheduling),
                                            # Steps with decodes stay within the captured graphs.
                                            max_mixed_step_tokens=(self.max_cudagraph_capture_size
@@ -83,7 +89,25 @@ class EngineArgs:
             tensor_parallel_device_ids=self.tensor_parallel_device_ids,
             enable_vocab_parallel=self.enable_vocab_parallel,
             disable_custom_all_reduce=self.disable_custom_all_reduce), device)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device, speculative_config)
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        """The validated speculative configuration, refusing what the engine cannot run with it yet."""
+        if self.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_dict(self.speculative_config)
+        if config.method != "ngram":
+            raise NotImplementedError(f"speculative_config['method'] {config.method!r} is not implemented; "
+                                      f"use 'ngram'")
+        # A step's drafts come from the tokens of the step before, so that step must be on the host
+        # before the next one is scheduled: no pipelining (async scheduling) of speculative steps.
+        if self.async_scheduling:
+            raise ValueError("async_scheduling=True cannot be combined with speculative_config (drafts are "
+                             "proposed from the previous step's tokens); leave async_scheduling unset")
+        if self.tensor_parallel_size > 1:
+            raise NotImplementedError(f"speculative_config needs tensor_parallel_size 1, got "
+                                      f"{self.tensor_parallel_size}")
+        return config
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Iterable
 
 import msgspec
+import numpy as np
+import torch
 
 from novainfer.config import EngineConfig
 from novainfer.core.kv_cache_manager import KVCacheManager
@@ -27,6 +29,7 @@ from novainfer.core.sched.output import SchedulerOutput
 from novainfer.core.sched.request import Request, RequestStatus
 from novainfer.core.sched.scheduler import Scheduler
 from novainfer.executor.abstract import Executor
+from novainfer.spec_decode.ngram_proposer import propose_ngram
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +128,8 @@ class EngineCore:
         if pipelined:
             self._in_flight.append(scheduler_output)
         outputs = self._update_from_runner(runner_outputs)
+        if self.config.speculative_config is not None:
+            self._propose_drafts()
         if self._in_flight and not self.scheduler.has_unfinished_requests():
             outputs += self._collect_in_flight()  # its requests are all finished; leave the workers idle
         num_generated = sum(len(o.new_token_ids) for o in outputs)
@@ -141,6 +146,29 @@ class EngineCore:
             outputs += self.scheduler.update_from_output(runner_output.req_ids, runner_output.sampled_token_ids,
                                                          runner_output.logprobs)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: n-gram drafts for the next step of every running request that
+        decodes, in one batched lookup over their tokens. A request gets at most as many drafts as
+        it may still emit tokens after the next one (``max_tokens``, the context limit), so that
+        no accepted token lies past its end."""
+        spec = self.config.speculative_config
+        sched = self.scheduler
+        decoding = [r for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
+        for request in sched.running:
+            request.spec_token_ids = []
+        if not decoding or (spec.disable_by_batch_size is not None and len(sched.running) > spec.disable_by_batch_size):
+            return
+        lengths = np.fromiter((r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
+        token_ids = np.full((len(decoding), int(lengths.max())), -1, dtype=np.int64)
+        for row, request in enumerate(decoding):
+            token_ids[row, :request.num_tokens] = request.all_token_ids
+        proposals = propose_ngram(torch.from_numpy(token_ids), torch.from_numpy(lengths), spec.prompt_lookup_min,
+                                  spec.prompt_lookup_max, spec.num_speculative_tokens)
+        drafts, num_drafts = proposals.token_ids.tolist(), proposals.num_tokens.tolist()
+        for request, row, num in zip(decoding, drafts, num_drafts):
+            room = min(request.max_tokens - request.num_output_tokens, sched.max_context_len - request.num_tokens) - 1
+            request.spec_token_ids = row[:max(min(num, room), 0)]
 
     def _collect_in_flight(self) -> list[EngineCoreOutput]:
         """Waits for the steps in flight and applies their tokens."""
@@ -162,6 +190,8 @@ class EngineCore:
                                                                     sched.kv_cache_usage)
         s.num_preemptions_total = sched.num_preemptions
         s.prefix_cache_queries_total, s.prefix_cache_hits_total = sched.prefix_cache_queries, sched.prefix_cache_hits
+        s.spec_decode_num_draft_tokens_total = sched.spec_decode_num_draft_tokens
+        s.spec_decode_num_accepted_tokens_total = sched.spec_decode_num_accepted_tokens
         return msgspec.structs.replace(s, steps_by_kind=dict(s.steps_by_kind),
                                        step_time_by_kind=dict(s.step_time_by_kind))
 
@@ -169,8 +199,12 @@ class EngineCore:
                      model_time: float) -> None:
         s = self.stats
         s.num_steps += 1
-        num_decode = sum(1 for r in scheduler_output.scheduled_cached_reqs
-                         if scheduler_output.num_scheduled_tokens[r.req_id] == 1)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        num_decode = 0  # tokens of decodes: the last token, and a speculative decode's drafts
+        for r in scheduler_output.scheduled_cached_reqs:
+            num_tokens = scheduler_output.num_scheduled_tokens[r.req_id]
+            if num_tokens == 1 + len(spec_tokens.get(r.req_id, ())):
+                num_decode += num_tokens
         num_prefill = scheduler_output.total_num_scheduled_tokens - num_decode
         s.prompt_tokens_total += num_prefill
         s.generation_tokens_total += num_generated

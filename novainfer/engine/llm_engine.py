@@ -47,6 +47,9 @@ class EngineStats:
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # Speculative decoding: draft tokens verified and accepted since start.
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
     finished_requests_total: Counter = field(default_factory=Counter)  # sequences, by finish reason
     step_time_total: float = 0.0  # seconds in the core's step()
     model_time_total: float = 0.0  # seconds of that inside the executor (forward + sampling)
@@ -78,7 +81,8 @@ class LLMEngine:
             self.engine_core = SyncMPClient(config, log_stats_interval)
         else:
             self.engine_core = EngineCore(config, executor_class, log_stats_interval)
-        self.processor = InputProcessor(self.model_config, self.tokenizer, self.engine_core.info.kv_capacity)
+        self.processor = InputProcessor(self.model_config, self.tokenizer, self.engine_core.info.kv_capacity,
+                                        config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         freeze_startup_objects()
 

@@ -39,7 +39,10 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     ``draft_token_ids`` [B, k] (entries past ``num_draft_tokens[b]`` are ignored); ``draft_probs``
     [B, k, V] or None for one-hot proposals; ``greedy_token_ids`` [B, k + 1]: the target's argmax
     at each position (read for greedy rows only); ``uniform`` [B, k] in [0, 1); ``noise`` [B, V]
-    positive, Exp(1)-distributed (an exponential race picks the final token).
+    positive, Exp(1)-distributed (an exponential race picks the final token), or [B, k + 1, V]:
+    one row per position, of which the final token's position is used (the caller may then key
+    the noise by position, and take ``uniform`` from entries of it that the final draw never reads:
+    that of draft i at position i, which a rejection takes out of the residual).
     """
     batch, num_positions, vocab = target_probs.shape
     k = num_positions - 1
@@ -67,6 +70,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     # A residual of zero mass (p equal to q up to rounding) leaves the target's own distribution.
     has_mass = residual.sum(dim=1, keepdim=True) > 0
     probs = torch.where(rejected.unsqueeze(1) & has_mass, residual, probs)
+    if noise.dim() == 3:
+        noise = noise[rows, num_accepted]
     sampled = (probs / noise).argmax(dim=1)
     final = torch.where(is_greedy, greedy_token_ids[rows, num_accepted], sampled)
 

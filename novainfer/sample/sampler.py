@@ -114,6 +114,21 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row draws from, over the whole vocabulary: temperature, top-k, top-p,
+    then min-p (penalties and min_tokens are the caller's). Rows with a min-p are not renormalized."""
+    logits = logits / metadata.temperature.unsqueeze(1)
+    top_p = None if metadata.no_top_p else metadata.top_p
+    if not (metadata.no_top_k and top_p is None):
+        logits = apply_top_k_top_p(logits, None if metadata.no_top_k else metadata.top_k, top_p)
+    return _min_p_probs(logits, metadata)
+
+
+def _min_p_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    return probs if metadata.no_min_p else apply_min_p(probs, metadata.min_p)
+
+
 def exponential_draws(probs: torch.Tensor, token_ids: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Exp(1) noise for each entry of ``probs`` ([B, W], entry j of row b being token
     ``token_ids[b, j]``, or ``token_ids[j]`` for a 1-D ``token_ids``): counter-based (see
@@ -190,22 +205,17 @@ class Sampler(nn.Module):
 
         # Greedy rows go through the random path too (its result is discarded for them); their
         # temperature is 1, so they are free of division by zero.
-        temperature = metadata.temperature.unsqueeze(1)
-        top_p = None if metadata.no_top_p else metadata.top_p
         if metadata.max_top_k is not None:
             # Every random row keeps at most max_top_k tokens: sample among those candidates
             # (sorted, as top-p needs) rather than sorting the whole vocabulary. A temperature
             # keeps a row's order, so it only needs to scale the candidates.
             logits, token_ids = logits.topk(min(metadata.max_top_k, logits.shape[-1]), dim=-1)
-            logits = mask_sorted_top_k_top_p(logits / temperature, metadata.top_k, top_p)
+            top_p = None if metadata.no_top_p else metadata.top_p
+            probs = _min_p_probs(mask_sorted_top_k_top_p(logits / metadata.temperature.unsqueeze(1), metadata.top_k,
+                                                         top_p), metadata)
         else:
-            logits = logits / temperature
             token_ids = torch.arange(logits.shape[-1], device=logits.device)
-            if not (metadata.no_top_k and top_p is None):
-                logits = apply_top_k_top_p(logits, None if metadata.no_top_k else metadata.top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        if not metadata.no_min_p:
-            probs = apply_min_p(probs, metadata.min_p)
+            probs = sampling_probs(logits, metadata)
         choice = random_sample(probs, exponential_draws(probs, token_ids, metadata))
         sampled = choice if token_ids.dim() == 1 else token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
         if greedy is None:

@@ -31,7 +31,8 @@ from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.model_loader import load_model
 from novainfer.models.compile import compile_model
 from novainfer.sample import Sampler, SamplingStateTable
-from novainfer.sample.sampler import LogprobsTensors
+from novainfer.sample.rejection_sampler import rejection_sample
+from novainfer.sample.sampler import LogprobsTensors, apply_min_tokens, exponential_draws, sampling_probs
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graphs import GraphKey, StepGraphs, cudagraph_capture_sizes
 from novainfer.worker.input_buffers import BufferCapacity, StepInputBuffers
@@ -131,36 +132,46 @@ class SampledStep:
     and on their way to the host."""
 
     states: list[CachedRequestState]  # the requests that sampled, in row order
-    device_tokens: torch.Tensor  # [len(states)] int64
+    device_tokens: torch.Tensor  # [len(states)] int64: each request's newest token
     rows: dict[str, int]  # req_id -> row
-    # The step's results on the host, from one copy: the tokens [B], or with logprobs
-    # [B, 1 + (1 + 2 (k + 1))]: the tokens, then LogprobsTensors.pack's columns.
+    # The step's results on the host, from one copy: the tokens [B]; with logprobs
+    # [B, 1 + (1 + 2 (k + 1))]: the tokens, then LogprobsTensors.pack's columns; with speculative
+    # decoding [B, 1 + (k + 1)]: the number of tokens of each request, then its tokens.
     host_results: torch.Tensor
     has_logprobs: bool
     copied: torch.cuda.Event | None  # recorded after the copy to the host (CUDA only)
+    speculative: bool = False
 
     @classmethod
     def start_copy(cls, states: list[CachedRequestState], tokens: torch.Tensor,
-                   logprobs: LogprobsTensors | None) -> SampledStep:
-        """Queues the copy of a step's tokens (and logprobs) to the host, without waiting."""
-        results = tokens if logprobs is None else torch.cat([tokens.unsqueeze(1), logprobs.pack()], dim=1)
+                   logprobs: LogprobsTensors | None, num_tokens: torch.Tensor | None = None) -> SampledStep:
+        """Queues the copy of a step's tokens (and logprobs) to the host, without waiting.
+        ``tokens`` is [B], or [B, k + 1] with ``num_tokens`` [B] (speculative decoding: row b holds
+        ``num_tokens[b]`` tokens)."""
+        if num_tokens is not None:
+            results = torch.cat([num_tokens.unsqueeze(1), tokens], dim=1)
+            tokens = tokens.gather(1, (num_tokens - 1).unsqueeze(1)).squeeze(1)
+        else:
+            results = tokens if logprobs is None else torch.cat([tokens.unsqueeze(1), logprobs.pack()], dim=1)
         host_results = results.to("cpu", non_blocking=True)  # pinned: the copy is asynchronous
         copied = None
         if tokens.device.type == "cuda":
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(tokens.device))
         return cls(states, tokens, {s.req_id: row for row, s in enumerate(states)}, host_results,
-                   logprobs is not None, copied)
+                   logprobs is not None, copied, num_tokens is not None)
 
-    def wait(self) -> tuple[list[int], tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
-        """The tokens, and the logprob arrays (token ids, logprobs, ranks) if any, once they are on
-        the host."""
+    def wait(self) -> tuple[list[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """The tokens of each request, and the logprob arrays (token ids, logprobs, ranks) if any,
+        once they are on the host."""
         if self.copied is not None:
             self.copied.synchronize()
         results = self.host_results.numpy()
+        if self.speculative:
+            return [row[1:1 + row[0]] for row in results.tolist()], None
         if not self.has_logprobs:
-            return results.tolist(), None
-        return results[:, 0].tolist(), LogprobsTensors.unpack(results[:, 1:])
+            return [[token] for token in results.tolist()], None
+        return [[token] for token in results[:, 0].tolist()], LogprobsTensors.unpack(results[:, 1:])
 
 
 @dataclass
@@ -168,7 +179,8 @@ class ModelRunnerOutput:
     """Tokens sampled in one step, for the requests whose whole known sequence was computed."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
+    # Per request, its new tokens: one, or with speculative decoding its accepted drafts and one more.
+    sampled_token_ids: list[list[int]]
     # Per sampled request, when it asked for logprobs: (token ids, logprobs, rank of the sampled
     # token); index 0 of the lists is the sampled token, then the top alternatives.
     logprobs: list[tuple[list[int], list[float], int] | None] | None = None
@@ -595,8 +607,11 @@ class ModelRunner:
         sampling: list[CachedRequestState] = []
         sampling_seqs: list[int] = []
         num_outputs: list[int] = []
+        spec_tokens = so.scheduled_spec_decode_tokens
+        num_drafts: list[int] = []  # per sampling request (speculative steps)
         for i, (rid, num_tokens) in enumerate(so.num_scheduled_tokens.items()):
             state = self.requests[rid]
+            drafts = spec_tokens.get(rid, ()) if spec_tokens else ()
             start = state.num_computed_tokens
             query_lens[i], start_pos[i], rows[i] = num_tokens, start, state.row
             num_known = len(state.token_ids)
@@ -610,15 +625,23 @@ class ModelRunner:
             elif num_tokens == 1:
                 input_ids.append(state.token_ids[start])
             else:
-                input_ids.extend(state.token_ids[start:start + num_tokens])
+                input_ids.extend(state.token_ids[start:start + num_tokens - len(drafts)])
+                input_ids.extend(drafts)
             state.num_computed_tokens = start + num_tokens
-            if start + num_tokens == num_known + in_flight:
+            if start + num_tokens - len(drafts) == num_known + in_flight:
                 sampling.append(state)
                 sampling_seqs.append(i)
                 num_outputs.append(len(state.output_token_ids) + in_flight)
+                num_drafts.append(len(drafts))
         max_blocks = -(-int((start_pos + query_lens).max()) // self.block_size)
         logits_indices = np.cumsum(query_lens)[sampling_seqs] - 1
-        greedy = all(s.plain_greedy and n >= s.sampling_params.min_tokens for s, n in zip(sampling, num_outputs))
+        if spec_tokens:
+            # A speculative step samples at the last known token and at each draft.
+            counts = np.asarray(num_drafts, dtype=np.int64) + 1
+            offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            logits_indices = np.repeat(logits_indices - counts + 1, counts) + offsets
+        greedy = not spec_tokens and all(s.plain_greedy and n >= s.sampling_params.min_tokens
+                                         for s, n in zip(sampling, num_outputs))
         token_sources = None
         if sources:
             token_sources = np.full(len(input_ids), -1, dtype=np.int64)
@@ -633,6 +656,8 @@ class ModelRunner:
         head_output = self._compute_logits(self._load(staged))
         if not sampling:
             return None
+        if spec_tokens:
+            return self._verify_drafts(sampling, num_outputs, num_drafts, spec_tokens, head_output)
         if greedy:
             sampled, logprobs = self._greedy_tokens(head_output), None
         else:
@@ -643,13 +668,50 @@ class ModelRunner:
             self.sampling_table.record_sampled(metadata, sampled)
         return SampledStep.start_copy(sampling, sampled, logprobs)
 
+    def _verify_drafts(self, sampling: list[CachedRequestState], num_outputs: list[int], num_drafts: list[int],
+                       spec_tokens: dict[str, list[int]], head_output: torch.Tensor) -> SampledStep:
+        """Speculative decoding: rejection sampling of each request's drafts against the target's
+        distributions at its rows of ``head_output`` (the last known token's, then one per draft).
+
+        Every row is sampled with its request's settings at its own output position (seeded noise
+        and min_tokens are per position). Each position's noise row also gives the acceptance
+        uniform of that position's draft (see :func:`rejection_sample`).
+        """
+        counts = np.asarray(num_drafts, dtype=np.int64) + 1
+        table_rows = np.repeat(np.fromiter((s.row for s in sampling), np.int64, len(sampling)), counts)
+        starts = np.cumsum(counts) - counts
+        positions = np.repeat(np.asarray(num_outputs, dtype=np.int64) - starts, counts) + np.arange(int(counts.sum()))
+        metadata = self.sampling_table.gather(table_rows, positions)
+        logits = apply_min_tokens(self._full_logits(head_output).float(), metadata)
+        greedy_ids = logits.argmax(dim=-1)
+        k = int(counts.max()) - 1
+        # Request b's rows padded to k + 1 positions (the padding repeats its last row, never read).
+        index_np = starts[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None] - 1)
+        drafts_np = np.full((len(sampling), k), -1, dtype=np.int64)
+        for b, state in enumerate(sampling):
+            drafts_np[b, :num_drafts[b]] = spec_tokens.get(state.req_id, ())
+        index, drafts, num_drafts_d = (torch.from_numpy(a).to(self.device, non_blocking=True)
+                                       for a in (index_np, drafts_np, counts - 1))
+        if metadata.all_greedy:
+            # Greedy rows read only the argmax: the logits stand in for the probabilities.
+            probs, noise = logits, torch.ones_like(logits)
+        else:
+            probs = sampling_probs(logits, metadata)
+            probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalized
+            noise = exponential_draws(probs, torch.arange(probs.shape[-1], device=probs.device), metadata)
+        noise = noise[index]
+        uniform = torch.exp(-noise[:, :k].gather(-1, drafts.clamp(min=0).unsqueeze(-1)).squeeze(-1))
+        is_greedy = metadata.is_greedy[index[:, 0]]
+        out = rejection_sample(probs[index], drafts, num_drafts_d, None, greedy_ids[index], is_greedy, uniform, noise)
+        return SampledStep.start_copy(sampling, out.token_ids, None, out.num_tokens)
+
     @staticmethod
     def _fetch(step: SampledStep) -> ModelRunnerOutput:
         """Waits for a step's tokens on the host and adds them to its requests."""
         tokens, logprobs = step.wait()
-        for state, token in zip(step.states, tokens):
-            state.token_ids.append(token)
-            state.output_token_ids.append(token)
+        for state, new_tokens in zip(step.states, tokens):
+            state.token_ids.extend(new_tokens)
+            state.output_token_ids.extend(new_tokens)
         logprobs_lists = None
         if logprobs is not None:
             ids, values, ranks = (a.tolist() for a in logprobs)

@@ -32,9 +32,13 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
-    # req_id -> tokens computed this step (1 for a decode, k for a prefill chunk)
+    # req_id -> tokens computed this step (1 for a decode, 1 + its drafts for a speculative decode,
+    # k for a prefill chunk)
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
+    # req_id -> the draft tokens a speculative decode verifies (they follow its last known token);
+    # only requests with drafts appear.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests finished (or aborted) since the last step: workers drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted this step: workers drop them from the batch but keep their RNG.

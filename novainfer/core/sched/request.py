@@ -70,6 +70,9 @@ class Request:
         # Tokens scheduled to be sampled whose values are not known yet (a step in flight): the
         # scheduler counts them as part of the sequence, and the workers read them on the device.
         self.num_output_placeholders = 0
+        # Draft tokens proposed for its next step (speculative decoding); from scheduling until the
+        # step's tokens are known, the drafts that step verifies.
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | None = None  # the stop token id that ended it

@@ -64,6 +64,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -76,6 +78,9 @@ class Scheduler:
         self._workers_know: set[str] = set()  # requests whose state the workers hold
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions_total = 0
+        # Speculative decoding: drafts verified, and accepted, since start.
+        self.num_draft_tokens_total = 0
+        self.num_accepted_tokens_total = 0
         self.max_context_len = min(config.max_model_len, kv_cache_manager.num_blocks * kv_cache_manager.block_size)
 
     # ---- queue management --------------------------------------------------------------------
@@ -121,6 +126,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
 
         # Decodes first, then unfinished prompts, each group in admission order: a long prompt's
         # chunks use what is left of the budget and never delay a decode.
@@ -139,12 +145,18 @@ class Scheduler:
                     break
                 if request.status != RequestStatus.RUNNING:
                     continue  # preempted earlier in this step
-                num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+                num_uncomputed = request.num_tokens_with_placeholders - request.num_computed_tokens
+                # A decode's drafts (speculative decoding) ride along as far as the budget goes.
+                num_new = min(num_uncomputed + len(request.spec_token_ids), budget)
                 new_blocks = self._allocate_or_preempt(request, num_new, num_scheduled, preempted)
                 if new_blocks is None:
                     continue  # the request itself was preempted
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
+                if request.spec_token_ids:
+                    request.spec_token_ids = request.spec_token_ids[:num_new - num_uncomputed]
+                    if request.spec_token_ids:
+                        spec_tokens[request.request_id] = request.spec_token_ids
                 self._emit(request, new_blocks, new_reqs, cached_reqs)
 
         # Admit waiting requests, unless this step already had to preempt (no room).
@@ -169,13 +181,16 @@ class Scheduler:
             self._emit(request, self.kv_cache_manager.get_block_ids(request.request_id), new_reqs, cached_reqs)
 
         output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
+                                 scheduled_spec_decode_tokens=spec_tokens,
                                  finished_req_ids=self._finished_since_last_step, preempted_req_ids=preempted)
         self._finished_since_last_step = set()
         for rid, num_new in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
-                request.num_output_placeholders += 1  # it samples in this step
+            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
+                # It samples in this step (beyond its known tokens when it verifies drafts: the
+                # rejected ones are taken back in update_from_output).
+                request.num_output_placeholders += 1
         return output
 
     def _prompt_budget(self, budget: int, num_decodes: int) -> int:
@@ -214,6 +229,7 @@ class Scheduler:
         self.kv_cache_manager.free(request.request_id)
         request.set_status(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._workers_know.discard(request.request_id)
@@ -231,32 +247,53 @@ class Scheduler:
                                        request.sampling_params, self.kv_cache_manager.get_block_ids(rid),
                                        request.num_computed_tokens))
 
-    def update_from_output(self, req_ids: Iterable[str], sampled_token_ids: Iterable[int],
+    def update_from_output(self, req_ids: Iterable[str], sampled_token_ids: Iterable[list[int]],
                            logprobs: Iterable[tuple[list[int], list[float], int] | None] | None = None
                            ) -> list[EngineCoreOutput]:
-        """Fills in a step's sampled tokens, applies the token-level stop conditions and frees the
-        requests they end; returns one output per request that got a token.
+        """Fills in a step's sampled tokens (per request: one, or with speculative decoding its
+        accepted drafts and one more), applies the token-level stop conditions token by token and
+        frees the requests they end; returns one output per request that got tokens. A stop ends
+        a request at its token: the tokens after it are dropped. ``logprobs``: per request, those
+        of its token (steps with logprobs sample one token per request).
 
         Requests finished since the step was scheduled are skipped. A request preempted since
-        then keeps its token: it is part of what it recomputes when it resumes.
+        then keeps its tokens: they are part of what it recomputes when it resumes.
         """
         outputs = []
-        for rid, token, token_logprobs in zip(req_ids, sampled_token_ids, logprobs or itertools.repeat(None)):
+        for rid, tokens, token_logprobs in zip(req_ids, sampled_token_ids, logprobs or itertools.repeat(None)):
             request = self.requests.get(rid)
             if request is None:
                 continue
-            request.append_output_token(token)
-            output = EngineCoreOutput(rid, [token], None if token_logprobs is None else [token_logprobs])
-            if request.num_output_tokens == 1:
-                output.num_cached_tokens = max(request.num_cached_tokens, 0)
-                output.first_scheduled_time = request.metrics.first_scheduled_time
-            status = self.check_stop(request)
-            if status is not None:
-                self.finish_requests(rid, status)
-                output.finish_reason = request.get_finished_reason()
-                output.stop_reason = request.stop_reason
+            if request.spec_token_ids:
+                self._take_back_rejected(request, len(tokens) - 1)
+            output = EngineCoreOutput(rid, [], None if token_logprobs is None else [token_logprobs])
+            for token in tokens:
+                request.append_output_token(token)
+                output.new_token_ids.append(token)
+                if request.num_output_tokens == 1:
+                    output.num_cached_tokens = max(request.num_cached_tokens, 0)
+                    output.first_scheduled_time = request.metrics.first_scheduled_time
+                status = self.check_stop(request)
+                if status is not None:
+                    self.finish_requests(rid, status)
+                    output.finish_reason = request.get_finished_reason()
+                    output.stop_reason = request.stop_reason
+                    break
             outputs.append(output)
         return outputs
+
+    def _take_back_rejected(self, request: Request, num_accepted: int) -> None:
+        """After a speculative step: the drafts after the ``num_accepted`` accepted ones were computed
+        on wrong tokens, so their positions count as uncomputed again (the KV cache manager's too);
+        later steps write them over. Only known tokens are ever hashed for the prefix cache, so no
+        block holding a rejected draft gets registered."""
+        num_drafts = len(request.spec_token_ids)
+        request.spec_token_ids = []
+        self.num_draft_tokens_total += num_drafts
+        self.num_accepted_tokens_total += num_accepted
+        if request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens -= num_drafts - num_accepted
+            self.kv_cache_manager.truncate(request.request_id, request.num_computed_tokens)
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """Token-level stop conditions after a new token: EOS/stop ids, max_tokens, context length.
@@ -276,4 +313,5 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         stats = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
-                              stats.queries, stats.hits, self.num_preemptions_total)
+                              stats.queries, stats.hits, self.num_preemptions_total, self.num_draft_tokens_total,
+                              self.num_accepted_tokens_total)

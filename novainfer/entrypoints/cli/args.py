@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from typing import Any
@@ -20,12 +21,14 @@ _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_
 def _scalar_type(annotation: Any) -> Any:
     """``int | None`` -> int; ``list[int] | None`` -> (list, int)."""
     if isinstance(annotation, str):
-        annotation = eval(annotation, {"list": list})  # annotations are postponed strings
+        annotation = eval(annotation, {"list": list, "dict": dict, "Any": Any})  # annotations are postponed strings
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         annotation = args[0]
     if typing.get_origin(annotation) is list:
         return list, typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) is dict:
+        return json.loads  # a dict flag takes JSON: --speculative-config '{"method": "ngram", ...}'
     return annotation
 
 

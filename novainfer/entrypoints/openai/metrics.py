@@ -70,6 +70,10 @@ class EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Requests preempted.", "num_preemptions_total")
         yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache.", "prefix_cache_queries_total")
         yield counter("prefix_cache_hits", "Tokens found in the prefix cache.", "prefix_cache_hits_total")
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
+                      "spec_decode_num_draft_tokens_total")
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
+                      "spec_decode_num_accepted_tokens_total")
         finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish reason.",
                                        labels=["model_name", "finished_reason"])
         for model, s in stats.items():

@@ -1,0 +1,43 @@
+"""Speculative decoding on the GPU: steps with drafts replay mixed-step CUDA graphs where they fit
+one (eager otherwise), and greedy outputs equal those of plain decoding with async scheduling and
+graphs (the GPU defaults), and transformers' for one request."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from novainfer import LLM, SamplingParams
+from tests.utils import hf_greedy, random_ids, tiny_model
+
+pytestmark = pytest.mark.gpu
+
+MAX_TOKENS = 64
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    """Prompts with repeated phrases and random ones, 96 in all (more logits rows than a mixed graph has
+    when every request drafts 4: such steps run eagerly)."""
+    rng = random.Random(3)
+    prompts = []
+    for i in range(96):
+        phrase = random_ids(rng, 3 + i % 7, vocab_size)
+        prompts.append(random_ids(rng, 5, vocab_size) + phrase * 3 if i % 2 else random_ids(rng, 5 + i, vocab_size))
+    return prompts
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 256])
+def test_greedy_speculative_outputs_on_gpu_equal_plain_ones(max_num_seqs):
+    model = tiny_model(std=0.1)
+    prompts = _prompts(700)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs).generate(inputs, params, use_tqdm=False)
+    llm = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    spec = llm.generate(inputs, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    assert spec[1].outputs[0].token_ids == hf_greedy(model, prompts[1], MAX_TOKENS, device="cuda")

@@ -1,0 +1,306 @@
+"""Speculative decoding (n-gram drafts) end to end: greedy outputs equal those without it, token for
+token, whatever the engine does to run the batch; sampled outputs keep the target's distribution;
+unsupported settings are refused by name.
+
+The model is a tiny random one with small weights (std 0.1): its greedy continuations settle into
+runs of one token, which n-gram lookup proposes, and leave them now and then, where drafts are
+rejected; so both the accepting and the rejecting paths run (each test checks that they did).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from novainfer import LLM, SamplingParams
+from novainfer.core.kv_cache_manager import KVCacheManager
+from novainfer.core.sched.request import Request
+from novainfer.core.sched.scheduler import Scheduler, SchedulerConfig
+from novainfer.engine.arg_utils import EngineArgs
+from tests.test_step_graphs import emulated_graphs  # noqa: F401 (a fixture)
+from tests.utils import SMALL_KV, hf_greedy, hf_logits, random_ids, tiny_model
+
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def spec_model_dir():
+    return tiny_model(std=0.1)
+
+
+@pytest.fixture(scope="module")
+def prompts(vocab_size):
+    """Prompts with repeated phrases (drafts from the prompt) and plain random ones."""
+    rng = random.Random(7)
+    batch = []
+    for n in (3, 5, 8):
+        phrase = random_ids(rng, n, vocab_size)
+        batch.append(random_ids(rng, 4, vocab_size) + phrase * 3 + random_ids(rng, 2, vocab_size) + phrase[:2])
+    batch += [random_ids(rng, n, vocab_size) for n in (1, 9, 23)]
+    return batch
+
+
+def generate(model_dir, prompts, params, speculative_config=None, **engine_args):
+    llm = LLM(str(model_dir), speculative_config=speculative_config, **engine_args)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    kv = llm.llm_engine.engine_core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks, "KV blocks still held after the batch"
+    return [o.outputs[0] for o in outputs], llm.llm_engine.get_stats()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(spec_model_dir, prompts):
+    """Outputs without speculative decoding (the oracle of the greedy tests), per max_tokens."""
+
+    @functools.lru_cache(maxsize=None)
+    def run(max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        completions, _ = generate(spec_model_dir, prompts, params, kv_cache_memory_bytes=SMALL_KV)
+        return [c.token_ids for c in completions]
+
+    return run
+
+
+def ngram(k: int, **extra) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, **extra}
+
+
+def assert_both_paths_ran(stats) -> None:
+    drafted, accepted = stats.spec_decode_num_draft_tokens_total, stats.spec_decode_num_accepted_tokens_total
+    assert 0 < accepted < drafted, f"drafted {drafted}, accepted {accepted}: both paths should run"
+
+
+CONFIGS = {
+    "default": dict(kv_cache_memory_bytes=SMALL_KV),
+    # A step of 5 tokens: prompts are chunked, and drafts that do not fit are dropped.
+    "chunked_prefill_budget_5": dict(block_size=4, max_num_batched_tokens=5, kv_cache_memory_bytes=SMALL_KV),
+    # 20 blocks of 4 tokens: the batch does not fit, requests are preempted and recomputed.
+    "preemption": dict(block_size=4, num_gpu_blocks_override=20),
+    "no_prefix_caching": dict(block_size=4, enable_prefix_caching=False, kv_cache_memory_bytes=SMALL_KV),
+}
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_outputs_equal_those_without_speculation(spec_model_dir, prompts, plain_greedy, config, k):
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    completions, stats = generate(spec_model_dir, prompts, params, ngram(k, prompt_lookup_max=3),
+                                  **CONFIGS[config])
+    assert [c.token_ids for c in completions] == plain_greedy()
+    assert all(c.finish_reason == "length" for c in completions)
+    assert_both_paths_ran(stats)
+    if config == "preemption":
+        assert stats.num_preemptions_total > 0
+    assert stats.generation_tokens_total == len(prompts) * MAX_TOKENS  # each accepted token counted once
+
+
+def test_greedy_matches_transformers(spec_model_dir, prompts):
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
+    completions, stats = generate(spec_model_dir, prompts[:3], params, ngram(4), kv_cache_memory_bytes=SMALL_KV)
+    for prompt, completion in zip(prompts[:3], completions):
+        assert completion.token_ids == hf_greedy(spec_model_dir, prompt, 24)
+    assert_both_paths_ran(stats)
+
+
+def test_prefix_cache_hits_after_speculation_are_sound(spec_model_dir, prompts, plain_greedy):
+    """Blocks cached by speculative requests (rejected drafts included at some point in their
+    slots) serve later requests with the same prefix correctly."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    llm = LLM(str(spec_model_dir), speculative_config=ngram(3), block_size=4, kv_cache_memory_bytes=SMALL_KV)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    first = llm.generate(inputs, params, use_tqdm=False)
+    # Prompts extended by their own outputs: their prefix is in the cache, computed speculatively.
+    extended = [p + o.outputs[0].token_ids[:30] for p, o in zip(prompts, first)]
+    second = llm.generate([{"prompt_token_ids": p} for p in extended], SamplingParams(
+        temperature=0.0, ignore_eos=True, max_tokens=8), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == plain_greedy()
+    assert all(o.num_cached_tokens > 0 for o in second)
+    for prompt, out in zip(extended[:3], second[:3]):
+        assert out.outputs[0].token_ids == hf_greedy(spec_model_dir, prompt, 8)
+    assert_both_paths_ran(llm.llm_engine.get_stats())
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 13])
+def test_max_tokens_is_never_exceeded(spec_model_dir, prompts, plain_greedy, max_tokens):
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    completions, _ = generate(spec_model_dir, prompts, params, ngram(5), kv_cache_memory_bytes=SMALL_KV)
+    assert [c.token_ids for c in completions] == [t[:max_tokens] for t in plain_greedy()]
+
+
+def test_stop_token_ids_end_requests_as_without_speculation(spec_model_dir, prompts, plain_greedy):
+    """Each request stops at the first occurrence of a token from the middle of its plain output (a
+    stop inside one step's accepted tokens is checked on the scheduler below)."""
+    expected, per_request = [], []
+    for tokens in plain_greedy():
+        stop = tokens[len(tokens) // 2]
+        end = tokens.index(stop) + 1
+        expected.append(tokens[:end])
+        per_request.append(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop]))
+    completions, stats = generate(spec_model_dir, prompts, per_request, ngram(5), kv_cache_memory_bytes=SMALL_KV)
+    assert [c.token_ids for c in completions] == expected
+    assert all(c.finish_reason == "stop" for c in completions)
+    assert stats.spec_decode_num_accepted_tokens_total > 0
+
+
+def test_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompts, plain_greedy):
+    """A stop string (the front-end's, on the text) inside a step's accepted tokens ends the request
+    where it ends without speculation, text and tokens."""
+    inputs = [{"prompt_token_ids": p} for p in prompts[:3]]
+    plain = LLM(str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV).generate(
+        inputs, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS), use_tqdm=False)
+    texts = [o.outputs[0].text for o in plain]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS,
+                             stop=[t[len(t) // 2:len(t) // 2 + 3]]) for t in texts]
+    expected = LLM(str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV).generate(inputs, params, use_tqdm=False)
+    got = LLM(str(spec_model_dir), speculative_config=ngram(5), kv_cache_memory_bytes=SMALL_KV).generate(
+        inputs, params, use_tqdm=False)
+    for e, g in zip(expected, got):
+        assert (g.outputs[0].text, g.outputs[0].token_ids) == (e.outputs[0].text, e.outputs[0].token_ids)
+        assert g.outputs[0].finish_reason == e.outputs[0].finish_reason == "stop"
+
+
+def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_drafts():
+    """A step that verified 4 drafts: the output stops at the stop token (the tokens after it are
+    dropped); on a request that goes on, rejected drafts' positions count as uncomputed again."""
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=256), kv)
+    for rid in ("stops", "goes-on"):
+        scheduler.add_request(Request(rid, [10, 11, 12, 13, 14], SamplingParams(max_tokens=20, stop_token_ids=[99]),
+                                      max_tokens=20))
+    scheduler.schedule()
+    scheduler.update_from_output(["stops", "goes-on"], [[20], [20]])
+    for rid in ("stops", "goes-on"):
+        scheduler.requests[rid].spec_token_ids = [21, 99, 23, 24]
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"stops": 5, "goes-on": 5}
+    assert so.scheduled_spec_decode_tokens == {"stops": [21, 99, 23, 24], "goes-on": [21, 99, 23, 24]}
+    going_on = scheduler.requests["goes-on"]
+    stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]])
+    assert stopped.new_token_ids == [21, 99] and stopped.finish_reason == "stop" and stopped.stop_reason == 99
+    assert went_on.new_token_ids == [21, 30] and went_on.finish_reason is None
+    # Prompt 5 + 3 outputs known; the newest (30) is not computed yet, nor the rejected drafts.
+    assert going_on.all_token_ids == [10, 11, 12, 13, 14, 20, 21, 30] and going_on.num_computed_tokens == 7
+    assert kv._requests["goes-on"].num_tokens == 7
+    assert scheduler.make_stats().spec_decode_num_draft_tokens == 8
+    assert scheduler.make_stats().spec_decode_num_accepted_tokens == 3 + 1
+
+
+def _exact_probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """The target distribution of one position with temperature and top-k, computed here."""
+    top = logits.topk(top_k)
+    probs = torch.zeros_like(logits)
+    probs[top.indices] = torch.softmax(top.values / temperature, dim=-1)
+    return probs
+
+
+def _prompt_with_an_uncertain_repeat(model_dir, vocab_size: int, temperature: float, top_k: int) -> list[int]:
+    """A random prompt ending in three copies of its greedy next token, after which (one more copy
+    in) repeating it once more has a probability between 0.2 and 0.8: n-gram lookup then drafts
+    the repeat, and verification must accept it part of the time."""
+    rng = random.Random(0)
+    for _ in range(20):
+        prompt = random_ids(rng, 8, vocab_size)
+        repeated = int(hf_logits(model_dir, prompt)[-1].argmax())
+        prompt += [repeated] * 3
+        probs = _exact_probs(hf_logits(model_dir, prompt + [repeated])[-1], temperature, top_k)
+        if 0.2 < float(probs[repeated]) < 0.8:
+            return prompt
+    raise AssertionError("no prompt of the kind found")
+
+
+def test_seeded_sampling_keeps_the_target_distribution(spec_model_dir, vocab_size):
+    """Output tokens 2 and 3 of many seeded requests follow the joint distribution transformers
+    gives, although a draft (the repeated token) is verified for token 2 and accepted only part of
+    the time: rejection sampling must neither favour nor disfavour drafts."""
+    temperature, top_k, n = 0.05, 4, 2000
+    prompt = _prompt_with_an_uncertain_repeat(spec_model_dir, vocab_size, temperature, top_k)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, seed=seed, max_tokens=3, ignore_eos=True)
+              for seed in range(n)]
+    completions, stats = generate(spec_model_dir, [prompt] * n, params, ngram(3), max_num_seqs=512,
+                                  kv_cache_memory_bytes=SMALL_KV)
+    assert_both_paths_ran(stats)
+    first = max({c.token_ids[0] for c in completions}, key=[c.token_ids[0] for c in completions].count)
+    pairs = [tuple(c.token_ids[1:]) for c in completions if c.token_ids[0] == first]
+    context = prompt + [first]
+    p2 = _exact_probs(hf_logits(spec_model_dir, context)[-1], temperature, top_k)
+    expected = {}
+    for t2 in p2.nonzero().flatten().tolist():
+        p3 = _exact_probs(hf_logits(spec_model_dir, context + [t2])[-1], temperature, top_k)
+        for t3 in p3.nonzero().flatten().tolist():
+            expected[(t2, t3)] = len(pairs) * float(p2[t2] * p3[t3])
+    assert set(pairs) <= set(expected), "a token outside the top-k was sampled"
+    # Pearson's chi-square over the cells expected at least 5 times, the rest pooled. The seeds are
+    # fixed, so the outcome is too; the threshold (p < 1e-4) leaves room for any fair set of seeds
+    # and still fails a biased verifier: always accepting the draft, for one, moves about half of
+    # the mass of token 2 and gives a statistic in the hundreds.
+    counts = {cell: pairs.count(cell) for cell in expected}
+    big = [cell for cell in expected if expected[cell] >= 5]
+    observed = [counts[c] for c in big] + [len(pairs) - sum(counts[c] for c in big)]
+    wanted = [expected[c] for c in big] + [len(pairs) - sum(expected[c] for c in big)]
+    if wanted[-1] < 1e-9:
+        observed, wanted = observed[:-1], wanted[:-1]
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, wanted))
+    dof = len(wanted) - 1
+    assert dof >= 1 and len(pairs) > n // 2
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(statistic / 2, dtype=torch.float64)))
+    assert p_value > 1e-4, f"chi-square {statistic:.1f} with {dof} degrees of freedom (p={p_value:.2g})"
+
+
+@pytest.mark.parametrize("config, key", [
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_max"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+])
+def test_bad_speculative_config_names_the_key(config, key):
+    with pytest.raises(ValueError, match=key):
+        EngineArgs(model="tiny", device="cpu", speculative_config=config).create_engine_config()
+
+
+def test_unsupported_combinations_are_refused():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineArgs(model="tiny", device="cpu", async_scheduling=True,
+                   speculative_config=ngram(2)).create_engine_config()
+    with pytest.raises(NotImplementedError, match="draft_model"):
+        EngineArgs(model="tiny", device="cpu", speculative_config={
+            "method": "draft_model", "model": "x", "num_speculative_tokens": 2}).create_engine_config()
+
+
+@pytest.mark.parametrize("params, field", [(dict(logprobs=1), "logprobs"), (dict(presence_penalty=0.5),
+                                           "presence_penalty"), (dict(repetition_penalty=1.1), "repetition_penalty")])
+def test_unsupported_sampling_settings_raise_at_add_request(spec_model_dir, params, field):
+    llm = LLM(str(spec_model_dir), speculative_config=ngram(2), kv_cache_memory_bytes=SMALL_KV)
+    with pytest.raises(ValueError, match=field):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **params), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_speculative_steps_replay_mixed_graphs(request, spec_model_dir, prompts, plain_greedy):
+    """With (CPU-emulated) CUDA graphs, steps with drafts replay mixed-step graphs where their tokens
+    and logits rows fit one, and the tokens stay those of plain greedy decoding."""
+    replayed = request.getfixturevalue("emulated_graphs")
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    completions, stats = generate(spec_model_dir, prompts, params, ngram(2), device="cpu", max_num_seqs=16,
+                                  max_cudagraph_capture_size=64, kv_cache_memory_bytes=SMALL_KV)
+    assert [c.token_ids for c in completions] == plain_greedy()
+    assert_both_paths_ran(stats)
+    assert any(key.kind == "mixed" for key in replayed)
+
+
+def test_disable_by_batch_size(spec_model_dir, prompts, plain_greedy):
+    """Nothing is drafted while more requests run than ``disable_by_batch_size``."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    completions, stats = generate(spec_model_dir, prompts, params, ngram(3, disable_by_batch_size=1),
+                                  max_num_seqs=len(prompts), kv_cache_memory_bytes=SMALL_KV)
+    assert [c.token_ids for c in completions] == plain_greedy()
+    # All requests run together to the end (same max_tokens): never one alone.
+    assert stats.spec_decode_num_draft_tokens_total == 0
+    _, alone = generate(spec_model_dir, prompts[:1], params, ngram(3, disable_by_batch_size=1),
+                        kv_cache_memory_bytes=SMALL_KV)
+    assert alone.spec_decode_num_draft_tokens_total > 0
