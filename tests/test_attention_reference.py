@@ -295,3 +295,22 @@ def test_model_runner_metadata_drives_the_backend(block_size):
     out = metadata.backend.forward(query, key, value, cache[0], cache[1], metadata, SCALE)
     expected = torch.cat([naive_attention(s, range(c, n)) for s, (n, c) in zip(seqs, specs)])
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=ATOL)
+
+
+# ---- prompt chunks grouped by size ---------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prompt_chunks_are_grouped_with_bounded_padding(seed):
+    """Every chunk in exactly one group; no group's padded problem is more than twice its real work
+    (one long prompt no longer pads 63 short ones to its length)."""
+    from novainfer.attention.backends.torch_ref import _similar_size_groups
+
+    rng = np.random.default_rng(seed)
+    query_lens = np.concatenate([rng.integers(2, 300, 63), [1515], np.ones(20, dtype=np.int64)])
+    seq_lens = query_lens + rng.integers(0, 500, len(query_lens))
+    prompts = np.flatnonzero(query_lens > 1)
+    groups = _similar_size_groups(prompts, query_lens, seq_lens)
+    assert sorted(np.concatenate(groups).tolist()) == prompts.tolist()
+    for group in groups:
+        padded = len(group) * query_lens[group].max() * seq_lens[group].max()
+        assert padded <= 2 * (query_lens[group] * seq_lens[group]).sum()
+    assert len(groups) < 20
