@@ -250,9 +250,10 @@ def run_server(config: ServerConfig) -> int:
             server_ref[0].should_exit = True
 
     app = build_app(config, on_load_failure=on_load_failure)
-    # Request headers have a deadline in the protocol, the body in BodyLimitMiddleware.
+    # Request headers have a deadline in the protocol, the body in BodyLimitMiddleware. The event
+    # loop is uvloop where it is installed ("auto"), asyncio's otherwise.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                               access_log=False, timeout_graceful_shutdown=config.graceful_shutdown_s,
+                               loop="auto", access_log=False, timeout_graceful_shutdown=config.graceful_shutdown_s,
                                http=protocol_with_header_deadline(config.request_timeout_s), lifespan="on")
     server = uvicorn.Server(uv_config)
     server_ref.append(server)
