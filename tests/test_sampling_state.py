@@ -15,21 +15,9 @@ import torch
 from novainfer.sample import LogprobsTensors, Sampler, SamplingStateTable
 from novainfer.sample.sampler import apply_min_tokens, apply_penalties
 from novainfer.sampling_params import SamplingParams
+from tests.test_sampler import naive_penalties
 
 VOCAB = 40
-
-
-def naive_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts, outputs) -> torch.Tensor:
-    out = logits.clone()
-    for b, p in enumerate(params):
-        for t in range(logits.shape[1]):
-            count = outputs[b].count(t)
-            if t in prompts[b] or count > 0:
-                x = out[b, t].item()
-                out[b, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
-            out[b, t] -= p.frequency_penalty * count
-            out[b, t] -= p.presence_penalty * (1.0 if count > 0 else 0.0)
-    return out
 
 
 PARAMS = [

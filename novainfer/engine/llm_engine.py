@@ -14,7 +14,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -34,29 +33,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineStats", "LLMEngine", "PromptType"]
 
 
-@dataclass
-class EngineStats:
-    """A snapshot for logs and metrics: gauges of now and totals since start."""
+class EngineStats(EngineCoreStats):
+    """A snapshot for logs and metrics: the core's gauges and totals, plus the finished sequences the
+    front-end counted (by finish reason); the step-kind tables are Counters."""
 
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_steps: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    num_preemptions_total: int = 0
-    prefix_cache_queries_total: int = 0
-    prefix_cache_hits_total: int = 0
-    # Speculative decoding: draft tokens verified and accepted since start.
-    spec_decode_num_draft_tokens_total: int = 0
-    spec_decode_num_accepted_tokens_total: int = 0
-    finished_requests_total: Counter = field(default_factory=Counter)  # sequences, by finish reason
-    step_time_total: float = 0.0  # seconds in the core's step()
-    model_time_total: float = 0.0  # seconds of that inside the executor (forward + sampling)
-    # Steps and their seconds by what they computed: "decode" (one new token per request),
-    # "prefill" (prompt tokens only) or "mixed" (both).
-    steps_by_kind: Counter = field(default_factory=Counter)
-    step_time_by_kind: Counter = field(default_factory=Counter)
+    finished_requests_total: dict[str, int] = {}
 
     @classmethod
     def from_core(cls, core: EngineCoreStats, finished_requests_total: Counter) -> EngineStats:
