@@ -20,6 +20,7 @@ from novainfer.entrypoints.openai.api_server import build_app
 from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.entrypoints.openai.served_models import ModelRegistry
 from novainfer.entrypoints.openai.sessions import SessionStore
+from novainfer.sampling_params import RequestOutputKind
 from tests.test_server_support import metric_value
 from tests.utils import tiny_model
 
@@ -60,6 +61,35 @@ def test_async_engine_concurrent_generate_matches_offline(offline):
         engine.shutdown()
     for (text, ids), exp in zip(results, expected):
         assert text == exp.text and ids == exp.token_ids
+
+
+def test_async_engine_reader_behind_gets_the_missed_steps_in_one_output(offline):
+    """A reader that falls behind the engine is handed everything since its last read in one delta
+    output (text, token ids and logprobs), which concatenates to the offline output."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2,
+                            output_kind=RequestOutputKind.DELTA)
+    expected = offline.generate(["Tell me about ducks"], params, use_tqdm=False)[0].outputs[0]
+    engine = make_engine()
+
+    async def main():
+        stream = await engine.add_request("slow", "Tell me about ducks", params)
+        outputs = []
+        async for output in stream:
+            outputs.append(output)
+            if len(outputs) == 1:  # fall behind until the core has made every token
+                while engine.output_processor.children["slow"][1].finish_reason is None:
+                    await asyncio.sleep(0.01)
+        return outputs
+
+    try:
+        outputs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(outputs) == 2 and outputs[-1].finished
+    completions = [o.outputs[0] for o in outputs]
+    assert "".join(c.text for c in completions) == expected.text
+    assert [t for c in completions for t in c.token_ids] == expected.token_ids
+    assert [p for c in completions for p in c.logprobs] == list(expected.logprobs)
 
 
 def test_async_engine_validation_error_and_abort_frees_blocks():

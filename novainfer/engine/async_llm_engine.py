@@ -55,6 +55,10 @@ class EngineLoad:
 class RequestStream:
     """The outputs of one request, in order, as an async iterator; ends after the final output.
 
+    An output is built when the reader asks for it, not at every step: a reader that falls behind
+    the engine (a busy event loop, a slow client) gets the tokens of several steps in one output,
+    so serving cost per request follows the reader's pace instead of the engine's step rate.
+
     Leaving the iteration early (``break``, cancellation, an exception in the consumer) aborts
     the request in the engine, so a vanished client never keeps generating.
     """
@@ -62,11 +66,24 @@ class RequestStream:
     def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._ready = False  # the engine has something new for this request
+        self._final: RequestOutput | BaseException | None = None  # handed over by an abort or a failure
+        self._waiter: asyncio.Future[None] | None = None
         self.finished = False
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+    def notify(self) -> None:
+        """The engine has new outputs for this request (called on the event loop)."""
+        self._ready = True
+        self._wake()
+
+    def put_final(self, item: RequestOutput | BaseException) -> None:
+        """Ends the stream with ``item`` (an aborted request's last output, or the error)."""
+        self._final = item
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -74,13 +91,21 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                if item.finished:
-                    self.finished = True
-                yield item
+                if not self._ready and self._final is None:
+                    self._waiter = asyncio.get_running_loop().create_future()
+                    await self._waiter
+                    self._waiter = None
+                output = self._engine.take_output(self.request_id) if self._ready else None
+                self._ready = False
+                if output is None:
+                    output, self._final = self._final, None
+                    if isinstance(output, BaseException):
+                        self.finished = True
+                        raise output
+                if output is None:
+                    continue
+                self.finished = output.finished
+                yield output
         finally:
             if not self.finished:
                 self.finished = True
@@ -194,10 +219,11 @@ class AsyncLLMEngine:
         """Aborts a request (no-op if unknown or finished); the core frees its KV blocks."""
         if self._dead_error is not None or self._stopped:
             return
-        output, core_ids = self.output_processor.abort(request_id, time.time())
+        core_ids = self.output_processor.abort(request_id, time.time())
+        output = self.output_processor.make_output(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None and output is not None:
-            stream.put(output)
+            stream.put_final(output)
         if core_ids:
             self._pending_aborts += core_ids
             self._schedule_flush()
@@ -280,17 +306,22 @@ class AsyncLLMEngine:
     def _on_outputs(self, batch: list[EngineCoreOutputs]) -> None:
         self._progress_time = time.monotonic()
         for core_outputs in batch:
-            outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+            touched, to_abort = self.output_processor.apply_outputs(core_outputs)
             if to_abort:  # stop strings: the core stops generating them
                 self._pending_aborts += to_abort
                 self._schedule_flush()
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is None:
-                    continue
-                if output.finished:
-                    del self._streams[output.request_id]
-                stream.put(output)
+            for request_id in touched:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.notify()
+
+    def take_output(self, request_id: str) -> RequestOutput | None:
+        """The request's output since its stream last took one (None if there is none: it was
+        aborted or failed); called by :class:`RequestStream` when its reader asks."""
+        output = self.output_processor.make_output(request_id)
+        if output is not None and output.finished:
+            self._streams.pop(request_id, None)
+        return output
 
     def _on_dead(self, error: EngineDeadError) -> None:
         if self._dead_error is None:
@@ -314,4 +345,4 @@ class AsyncLLMEngine:
         streams, self._streams = self._streams, {}
         self.output_processor.fail_all()
         for stream in streams.values():
-            stream.put(error)
+            stream.put_final(error)

@@ -96,10 +96,10 @@ class LLMEngine:
         outputs, core_ids = [], []
         now = time.time()
         for parent_id in request_ids:
-            output, ids = self.output_processor.abort(parent_id, now)
+            core_ids += self.output_processor.abort(parent_id, now)
+            output = self.output_processor.make_output(parent_id)
             if output is not None:
                 outputs.append(output)
-                core_ids += ids
         if core_ids:
             self.engine_core.abort_requests(core_ids)
         return outputs

@@ -107,7 +107,14 @@ class OutputProcessor:
     def process_outputs(self, core_outputs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
         """Applies a step's outputs; returns the RequestOutputs of the parents that changed, and the
         core ids of the sequences that stop strings ended (to abort in the core)."""
-        touched: dict[str, ParentState] = {}
+        touched, to_abort = self.apply_outputs(core_outputs)
+        return [self.make_output(parent_id) for parent_id in touched], to_abort
+
+    def apply_outputs(self, core_outputs: EngineCoreOutputs) -> tuple[list[str], list[str]]:
+        """Applies a step's outputs without building RequestOutputs; returns the ids of the parents
+        that have something to report (see :meth:`make_output`) and the core ids of the sequences
+        that stop strings ended. A reader that falls behind gets several steps in one output."""
+        touched: dict[str, None] = {}
         to_abort: list[str] = []
         now = core_outputs.timestamp
         for output in core_outputs.outputs:
@@ -124,9 +131,9 @@ class OutputProcessor:
                 if output.finish_reason is None:
                     to_abort.append(child.request_id)
             if parent.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished():
-                touched[parent.request_id] = parent
+                touched[parent.request_id] = None
             parent.metrics.last_token_time = now
-        return [self._make_output(parent) for parent in touched.values()], to_abort
+        return list(touched), to_abort
 
     def _start(self, parent: ParentState, child: ChildState, output: EngineCoreOutput, now: float) -> None:
         if child.token_ids:
@@ -185,19 +192,19 @@ class OutputProcessor:
             parent.metrics.finished_time = now
 
     # ---- aborts ------------------------------------------------------------------------------
-    def abort(self, parent_id: str, now: float) -> tuple[RequestOutput | None, list[str]]:
-        """Ends a request's unfinished sequences; returns its final output (None if unknown) and
-        the core ids to abort."""
+    def abort(self, parent_id: str, now: float) -> list[str]:
+        """Ends a request's unfinished sequences (its next :meth:`make_output` is the final one);
+        returns the core ids to abort."""
         parent = self.parents.get(parent_id)
         if parent is None:
-            return None, []
+            return []
         to_abort = []
         for child in parent.children:
             if child.finish_reason is None:
                 child.finish_reason = "abort"
                 self._finish(parent, child, now)
                 to_abort.append(child.request_id)
-        return self._make_output(parent), to_abort
+        return to_abort
 
     def fail_all(self) -> list[str]:
         """Forgets every request (the core died); returns their parent ids."""
@@ -208,8 +215,12 @@ class OutputProcessor:
         return parent_ids
 
     # ---- outputs -----------------------------------------------------------------------------
-    def _make_output(self, parent: ParentState) -> RequestOutput:
-        """The parent's current output; forgets the parent once every sequence is finished."""
+    def make_output(self, parent_id: str) -> RequestOutput | None:
+        """The parent's output since the previous one (all of it for cumulative outputs), None if
+        the parent is unknown (already finished); forgets the parent once every sequence is finished."""
+        parent = self.parents.get(parent_id)
+        if parent is None:
+            return None
         finished = parent.finished()
         delta = parent.output_kind == RequestOutputKind.DELTA
         outputs = []

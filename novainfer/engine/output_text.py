@@ -50,9 +50,13 @@ class OutputTextState:
         self._text = ""
         self._stop_matched: str | None = None
         self._num_streamed = 0
-        # Deferred: every output token, and whether the text has caught up with them.
+        # Without stop strings nothing needs the text before it is read: tokens wait in
+        # ``_pending_ids`` and are decoded together when it is (a streamed request whose reader
+        # is behind decodes several steps' tokens in one call). ``defer`` (only the final text
+        # is wanted) keeps every token and decodes them once, from the start.
+        self._lazy = not stop
         self._deferred_ids: list[int] | None = [] if defer and not stop else None
-        self._text_is_current = True
+        self._pending_ids: list[int] = []
 
     @property
     def text(self) -> str:
@@ -61,9 +65,17 @@ class OutputTextState:
         return self._text
 
     def _decode_pending(self) -> None:
-        if not self._text_is_current:
+        if not self._pending_ids:
+            return
+        if self._deferred_ids is not None:
+            self._deferred_ids += self._pending_ids
             self._text = self._detokenizer.decode_output(self._deferred_ids)
-            self._text_is_current = True
+        else:
+            # One token at a time, as they came: a batch that ends inside a character would hold
+            # back the text of its every token, where steps of one token hold back only that one.
+            add_tokens = self._detokenizer.add_tokens
+            self._text += "".join([add_tokens((token,)) for token in self._pending_ids])
+        self._pending_ids = []
 
     def append_tokens(self, token_ids: Sequence[int]) -> str | None:
         """Detokenizes new tokens; returns the stop string they complete, else None.
@@ -77,9 +89,8 @@ class OutputTextState:
                 f"append_tokens called after stop string {self._stop_matched!r} "
                 f"already ended the output {self._text!r}"
             )
-        if self._deferred_ids is not None:
-            self._deferred_ids.extend(token_ids)
-            self._text_is_current = False
+        if self._lazy:
+            self._pending_ids += token_ids
             return None
         new_text = self._detokenizer.add_tokens(token_ids)
         offset = len(self._text)
