@@ -94,9 +94,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offline-companion", action="store_true",
                    help="after the started server stops, run the same prompts through LLM.generate with the "
                         "server's engine arguments and report served / offline output throughput")
+    p.add_argument("--offline-repeats", type=int, default=3,
+                   help="runs of the offline companion; its figure is their median")
     add_output_arguments(p, "serve_<device>_<model>")
     p.add_argument("--commit", default=None, help="commit to record (default: asks git)")
     args = p.parse_args(argv)
+    if args.offline_repeats < 1:
+        p.error(f"--offline-repeats must be >= 1, got {args.offline_repeats}")
     if args.num_prompts < 1 or args.output_len < 1:
         p.error("--num-prompts and --output-len must be >= 1")
     if args.client_processes < 1:
@@ -394,7 +398,9 @@ def served_engine_args(model_dir: str, server_args: list[str]) -> EngineArgs:
 # ---- the offline companion --------------------------------------------------------------------------------
 def run_offline(engine_args: EngineArgs, args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     """The prompts through ``LLM.generate`` (``LLM.chat`` for the chat endpoint) after one warm-up request,
-    with the requests' sampling: greedy, ``--output-len`` tokens, EOS ignored, text detokenized as streamed."""
+    with the requests' sampling: greedy, ``--output-len`` tokens, EOS ignored, text detokenized as streamed.
+    ``--offline-repeats`` runs of the whole set; the figure is their median (a burst lasts seconds, so one
+    run is at the mercy of whatever else the machine does)."""
     from novainfer import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -403,16 +409,20 @@ def run_offline(engine_args: EngineArgs, args: argparse.Namespace, prompts: list
         if args.endpoint == "chat":
             prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         llm.generate(prompts[:1], params, use_tqdm=False)
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        duration = time.perf_counter() - started
+        durations = []
+        for _ in range(args.offline_repeats):
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            durations.append(time.perf_counter() - started)
     finally:
         llm.shutdown()
+    duration = statistics.median(durations)
     input_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"engine": "novainfer.LLM.generate",
             "engine_args": {k: scrub_path(v) if isinstance(v, str) else v for k, v in vars(engine_args).items()},
             "num_prompts": len(outputs), "duration_s": round(duration, 3),
+            "durations_s_of_each_run": [round(d, 3) for d in durations],
             "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
             "request_throughput_per_s": round(len(outputs) / duration, 3),
             "output_throughput_tok_per_s": round(output_tokens / duration, 2),

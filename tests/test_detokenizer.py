@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from novainfer.engine.detokenizer import IncrementalDetokenizer
+from novainfer.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from novainfer.engine.output_text import OutputTextState
 from tests._tokenizers import load_qwen2_tokenizer
 
@@ -202,6 +202,31 @@ def test_deferred_text_equals_the_streamed_text(tokenizer, seed, skip):
             assert deferred.text == streamed.text
     assert deferred.text == streamed.text
     assert deferred.take_delta(finished=True) == streamed.text
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_text_read_after_several_steps_equals_text_read_every_step(tokenizer, seed):
+    """A streamed request whose reader is behind decodes several steps' tokens at once; at every
+    read its text is what reading after each step gives, including reads that end inside a
+    character (the batch is then decoded token by token)."""
+    rng = random.Random(seed)
+    byte_tokens = [i for i in range(200, 2000) if "\ufffd" in tokenizer.decode([i])][:50]
+    pool = list(range(len(tokenizer))) + byte_tokens * 300
+    prompt = [rng.choice(pool) for _ in range(rng.randint(0, 12))]
+    every_step = OutputTextState(tokenizer, prompt)
+    batched = OutputTextState(tokenizer, prompt, token_texts=TokenTexts(tokenizer))
+    every_deltas, batched_deltas = [], []
+    for _ in range(150):
+        token = rng.choice(pool)
+        every_step.append_tokens([token])
+        batched.append_tokens([token])
+        every_deltas.append(every_step.take_delta(finished=False))
+        if rng.random() < 0.3:
+            batched_deltas.append(batched.take_delta(finished=False))
+            assert "".join(batched_deltas) == "".join(every_deltas)
+    batched_deltas.append(batched.take_delta(finished=True))
+    every_deltas.append(every_step.take_delta(finished=True))
+    assert "".join(batched_deltas) == "".join(every_deltas) == every_step.text
 
 
 def test_deferred_text_is_not_used_with_stop_strings(tokenizer):

@@ -38,7 +38,7 @@ def sweep(tmp_path_factory) -> tuple[dict, object]:
     dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": t}]} for t in TEXTS]))
     report = serve.main(["--device", "cpu", "--dataset", str(dataset), "--num-prompts", str(len(TEXTS)),
                          "--max-input-tokens", str(MAX_WORDS), "--output-len", str(OUTPUT_LEN),
-                         "--request-rates", "inf,50", "--offline-companion", "--client-processes", "2",
+                         "--request-rates", "inf,50", "--offline-companion", "--offline-repeats", "2", "--client-processes", "2",
                          "--results-dir", str(out), "--output", "run"])
     return report, out
 
@@ -111,6 +111,7 @@ def test_offline_companion_generates_what_was_served(sweep):
     assert offline["engine_args"]["device"] == "cpu"
     assert offline["num_prompts"] == len(TEXTS)
     assert offline["total_output_tokens"] == burst["total_output_tokens"] == len(TEXTS) * OUTPUT_LEN
+    assert len(offline["durations_s_of_each_run"]) == 2
     assert offline["total_input_tokens"] == burst["total_input_tokens"]
     assert_rate(offline["output_throughput_tok_per_s"], offline["total_output_tokens"], offline["duration_s"])
     for run in report["results"]:

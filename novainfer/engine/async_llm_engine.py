@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from novainfer.config import EngineConfig
 from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from novainfer.engine.arg_utils import EngineArgs
+from novainfer.engine.core import freeze_startup_objects
 from novainfer.engine.core_client import CoreClient, EngineDeadError
 from novainfer.engine.core_proc import MIN_STEP_S_ENV, TEST_STALL_FILE_ENV
 from novainfer.engine.llm_engine import EngineStats
@@ -140,6 +141,7 @@ class AsyncLLMEngine:
         self._stopped = False
         # When the core last reported a step (or got work while idle), for the stall watchdog.
         self._progress_time = time.monotonic()
+        freeze_startup_objects()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, name: str = "engine", multiprocess: bool = True) -> AsyncLLMEngine:

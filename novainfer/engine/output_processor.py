@@ -80,7 +80,8 @@ class OutputProcessor:
                                        include_stop_str_in_output=params.include_stop_str_in_output,
                                        skip_special_tokens=params.skip_special_tokens,
                                        spaces_between_special_tokens=params.spaces_between_special_tokens,
-                                       defer=output_kind == RequestOutputKind.FINAL_ONLY)
+                                       defer=output_kind == RequestOutputKind.FINAL_ONLY,
+                                       token_texts=self.token_texts)
             wants_logprobs = params.logprobs is not None
             child = ChildState(request.request_id, index, params, text, FlatLogprobs() if wants_logprobs else None,
                                0.0 if wants_logprobs else None)

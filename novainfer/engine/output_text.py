@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from novainfer.engine.detokenizer import IncrementalDetokenizer
@@ -32,9 +32,12 @@ class OutputTextState:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         defer: bool = False,
+        token_texts: Callable[[Sequence[int]], list[str]] | None = None,
     ) -> None:
         """``defer``: only the final text is wanted (no streaming); without stop strings the tokens
-        are then decoded once, when the text is first read, instead of at every step."""
+        are then decoded once, when the text is first read, instead of at every step.
+        ``token_texts``: single-token texts (a shared cache), which lets tokens that arrived in
+        several steps be decoded in one call (see :meth:`_decode_pending`)."""
         if isinstance(stop, str):
             raise TypeError(f"stop must be a sequence of strings, not the string {stop!r}")
         if any(not s for s in stop):
@@ -57,6 +60,7 @@ class OutputTextState:
         self._lazy = not stop
         self._deferred_ids: list[int] | None = [] if defer and not stop else None
         self._pending_ids: list[int] = []
+        self._token_texts = token_texts
 
     @property
     def text(self) -> str:
@@ -70,6 +74,10 @@ class OutputTextState:
         if self._deferred_ids is not None:
             self._deferred_ids += self._pending_ids
             self._text = self._detokenizer.decode_output(self._deferred_ids)
+        elif self._token_texts is not None and "\ufffd" not in self._token_texts(self._pending_ids[-1:])[0]:
+            # The last token is whole characters, so the batch cannot end inside one: its text is
+            # what feeding the tokens one at a time would have emitted, in one call.
+            self._text += self._detokenizer.add_tokens(self._pending_ids)
         else:
             # One token at a time, as they came: a batch that ends inside a character would hold
             # back the text of its every token, where steps of one token hold back only that one.
