@@ -266,3 +266,5 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device: torch.device
     speculative_config: SpeculativeConfig | None = None
+    # The draft model of speculative decoding's "draft_model" method (same vocabulary as the target).
+    draft_model_config: ModelConfig | None = None

@@ -267,9 +267,6 @@ def test_unsupported_combinations_are_refused():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(model="tiny", device="cpu", async_scheduling=True,
                    speculative_config=ngram(2)).create_engine_config()
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        EngineArgs(model="tiny", device="cpu", speculative_config={
-            "method": "draft_model", "model": "x", "num_speculative_tokens": 2}).create_engine_config()
 
 
 @pytest.mark.parametrize("params, field", [(dict(logprobs=1), "logprobs"), (dict(presence_penalty=0.5),

@@ -134,6 +134,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[int] = (),
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Grow the request's block table to hold ``num_new_tokens`` more tokens.
 
@@ -146,6 +147,10 @@ class KVCacheManager:
         when the free blocks do not suffice, in which case nothing changed.
         Full blocks whose tokens are all known get hashed and become
         hittable for later requests.
+
+        ``num_lookahead_tokens``: slots for that many more tokens past the new
+        ones, not counted as computed (a draft model writes its proposals'
+        K/V there before the step that verifies them is scheduled).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens} (request {request_id!r})")
@@ -155,7 +160,7 @@ class KVCacheManager:
             # The common decode step: the last block still has room. Checked first because it
             # runs for every running request on every step.
             num_tokens = request.num_tokens + num_new_tokens
-            if num_tokens <= len(request.block_ids) * self.block_size:
+            if num_tokens + num_lookahead_tokens <= len(request.block_ids) * self.block_size:
                 request.num_tokens = num_tokens
                 if self.enable_prefix_caching:
                     self._cache_full_blocks(request, token_ids)
@@ -177,7 +182,7 @@ class KVCacheManager:
             num_revived = 0
 
         num_tokens = num_computed + num_new_tokens
-        num_needed = max(_cdiv(num_tokens, self.block_size) - num_held, 0)
+        num_needed = max(_cdiv(num_tokens + num_lookahead_tokens, self.block_size) - num_held, 0)
         if num_needed + num_revived > pool.num_free_blocks:
             return None
 

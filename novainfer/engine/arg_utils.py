@@ -11,6 +11,7 @@ from novainfer.config import CacheConfig, EngineConfig, ModelConfig, ParallelCon
     resolve_device
 from novainfer.core.sched.scheduler import SchedulerConfig
 from novainfer.spec_decode.config import SpeculativeConfig
+from novainfer.tokenizer import get_tokenizer
 
 
 @dataclass
@@ -45,7 +46,8 @@ class EngineArgs:
     disable_custom_all_reduce: bool = False  # small GPU all-reduces through NCCL, not the custom kernels
     log_stats_interval: float = 5.0
     # Speculative decoding, with vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": None}. None: off.
+    # "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": None}, or
+    # {"method": "draft_model", "model": DIR, "num_speculative_tokens": k}. None: off.
     speculative_config: dict[str, Any] | None = None
 
     @classmethod
@@ -66,6 +68,9 @@ class EngineArgs:
                                    max_cudagraph_capture_size=self.max_cudagraph_capture_size,
                                    attention_backend=self.attention_backend,
                                    compilation_level=self.compilation_level)
+        draft_model_config = (draft_model_config_for(speculative_config.model, model_config)
+                              if speculative_config is not None and speculative_config.method == "draft_model"
+                              else None)
         cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                                    num_gpu_blocks_override=self.num_gpu_blocks_override,
                                    kv_cache_memory_bytes=self.kv_cache_memory_bytes,
@@ -79,7 +84,9 @@ class EngineArgs:
                                            # Steps with decodes stay within the captured graphs.
                                            max_mixed_step_tokens=(self.max_cudagraph_capture_size
                                                                   if device.type == "cuda" and not self.enforce_eager
-                                                                  else None))
+                                                                  else None),
+                                           num_lookahead_tokens=(speculative_config.num_speculative_tokens
+                                                                 if draft_model_config is not None else 0))
         if self.compilation_level and self.tensor_parallel_size > 1:
             raise ValueError(f"compilation_level {self.compilation_level} needs tensor_parallel_size 1, got "
                              f"{self.tensor_parallel_size}")
@@ -89,16 +96,14 @@ class EngineArgs:
             tensor_parallel_device_ids=self.tensor_parallel_device_ids,
             enable_vocab_parallel=self.enable_vocab_parallel,
             disable_custom_all_reduce=self.disable_custom_all_reduce), device)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device, speculative_config)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device, speculative_config,
+                            draft_model_config)
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         """The validated speculative configuration, refusing what the engine cannot run with it yet."""
         if self.speculative_config is None:
             return None
         config = SpeculativeConfig.from_dict(self.speculative_config)
-        if config.method != "ngram":
-            raise NotImplementedError(f"speculative_config['method'] {config.method!r} is not implemented; "
-                                      f"use 'ngram'")
         # A step's drafts come from the tokens of the step before, so that step must be on the host
         # before the next one is scheduled: no pipelining (async scheduling) of speculative steps.
         if self.async_scheduling:
@@ -111,3 +116,35 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+
+def draft_model_config_for(draft_model: str, target: ModelConfig) -> ModelConfig:
+    """The draft model's configuration: the target's dtype, context length and step settings, after
+    checking that it shares the target's vocabulary and tokenizer (its tokens are the target's)."""
+    key = "speculative_config['model']"
+    try:
+        draft = ModelConfig(draft_model, dtype=target.torch_dtype, seed=target.seed, max_model_len=target.max_model_len,
+                            enforce_eager=target.enforce_eager,
+                            max_cudagraph_capture_size=target.max_cudagraph_capture_size,
+                            attention_backend=target.attention_backend)
+    except ValueError as exc:
+        raise ValueError(f"{key} {draft_model!r} cannot draft for the target: {exc}") from exc
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"{key} {draft_model!r} has vocab_size {draft.vocab_size}, the target {target.model!r} has "
+                         f"{target.vocab_size}: a draft model must share the target's vocabulary")
+    differences = _tokenizer_differences(get_tokenizer(target.tokenizer), get_tokenizer(draft.tokenizer))
+    if differences:
+        raise ValueError(f"{key} {draft_model!r} has another tokenizer than the target {target.model!r} "
+                         f"({differences}): a draft model must share the target's tokenizer")
+    return draft
+
+
+def _tokenizer_differences(target: Any, draft: Any) -> str:
+    """What differs between two tokenizers' vocabularies, in words ('' when nothing does)."""
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    differing = sorted(t for t in target_vocab.keys() | draft_vocab.keys() if target_vocab.get(t) != draft_vocab.get(t))
+    if not differing:
+        return ""
+    example = differing[0]
+    return (f"{len(differing)} token(s) differ, e.g. {example!r} is {target_vocab.get(example)} in the target and "
+            f"{draft_vocab.get(example)} in the draft")

@@ -30,6 +30,7 @@ from novainfer.core.sched.request import Request, RequestStatus
 from novainfer.core.sched.scheduler import Scheduler
 from novainfer.executor.abstract import Executor
 from novainfer.spec_decode.ngram_proposer import propose_ngram
+from novainfer.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class EngineCore:
             self._in_flight.append(scheduler_output)
         outputs = self._update_from_runner(runner_outputs)
         if self.config.speculative_config is not None:
-            self._propose_drafts()
+            self._propose_drafts(runner_outputs)
         if self._in_flight and not self.scheduler.has_unfinished_requests():
             outputs += self._collect_in_flight()  # its requests are all finished; leave the workers idle
         num_generated = sum(len(o.new_token_ids) for o in outputs)
@@ -147,11 +148,12 @@ class EngineCore:
                                                          runner_output.logprobs)
         return outputs
 
-    def _propose_drafts(self) -> None:
-        """Speculative decoding: n-gram drafts for the next step of every running request that
-        decodes, in one batched lookup over their tokens. A request gets at most as many drafts as
-        it may still emit tokens after the next one (``max_tokens``, the context limit), so that
-        no accepted token lies past its end."""
+    def _propose_drafts(self, runner_outputs: list[ModelRunnerOutput]) -> None:
+        """Speculative decoding: drafts for the next step of every running request that decodes,
+        from one batched n-gram lookup over their tokens, or those the draft model proposed in the
+        step just run. A request gets at most as many drafts as it may still emit tokens after
+        the next one (``max_tokens``, the context limit), so that no accepted token lies past its
+        end."""
         spec = self.config.speculative_config
         sched = self.scheduler
         decoding = [r for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
@@ -159,16 +161,25 @@ class EngineCore:
             request.spec_token_ids = []
         if not decoding or (spec.disable_by_batch_size is not None and len(sched.running) > spec.disable_by_batch_size):
             return
+        if spec.method == "ngram":
+            proposals = self._ngram_drafts(decoding)
+        else:
+            by_id = {rid: drafts for output in runner_outputs if output.draft_token_ids is not None
+                     for rid, drafts in zip(output.req_ids, output.draft_token_ids)}
+            proposals = [by_id.get(r.request_id, []) for r in decoding]
+        for request, drafts in zip(decoding, proposals):
+            room = min(request.max_tokens - request.num_output_tokens, sched.max_context_len - request.num_tokens) - 1
+            request.spec_token_ids = drafts[:max(room, 0)]
+
+    def _ngram_drafts(self, decoding: list[Request]) -> list[list[int]]:
+        spec = self.config.speculative_config
         lengths = np.fromiter((r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
         token_ids = np.full((len(decoding), int(lengths.max())), -1, dtype=np.int64)
         for row, request in enumerate(decoding):
             token_ids[row, :request.num_tokens] = request.all_token_ids
         proposals = propose_ngram(torch.from_numpy(token_ids), torch.from_numpy(lengths), spec.prompt_lookup_min,
                                   spec.prompt_lookup_max, spec.num_speculative_tokens)
-        drafts, num_drafts = proposals.token_ids.tolist(), proposals.num_tokens.tolist()
-        for request, row, num in zip(decoding, drafts, num_drafts):
-            room = min(request.max_tokens - request.num_output_tokens, sched.max_context_len - request.num_tokens) - 1
-            request.spec_token_ids = row[:max(min(num, room), 0)]
+        return [row[:num] for row, num in zip(proposals.token_ids.tolist(), proposals.num_tokens.tolist())]
 
     def _collect_in_flight(self) -> list[EngineCoreOutput]:
         """Waits for the steps in flight and applies their tokens."""

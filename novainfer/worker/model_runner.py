@@ -120,6 +120,8 @@ class CachedRequestState:
     num_blocks: int = 0  # filled entries of that row
     # Greedy with nothing that needs the full sampler (penalties, logprobs): argmax is enough.
     plain_greedy: bool = False
+    # Leading tokens whose K/V a draft model (speculative decoding) has computed in its own cache.
+    num_draft_computed_tokens: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -184,6 +186,9 @@ class ModelRunnerOutput:
     # Per sampled request, when it asked for logprobs: (token ids, logprobs, rank of the sampled
     # token); index 0 of the lists is the sampled token, then the top alternatives.
     logprobs: list[tuple[list[int], list[float], int] | None] | None = None
+    # Per request of ``req_ids``, the drafts a draft model proposes for its next step (speculative
+    # decoding's "draft_model" method; None otherwise).
+    draft_token_ids: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -517,6 +522,17 @@ class ModelRunner:
         """
         return self._full_logits(self._compute_logits(self._load(self._stage(*self._flatten(seqs))))).float()
 
+    @torch.inference_mode()
+    def greedy_step(self, input_ids: np.ndarray, query_lens: np.ndarray, start_pos: np.ndarray,
+                    block_tables: np.ndarray, logits_indices: np.ndarray, token_sources: np.ndarray | None = None,
+                    previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs a step given as flat arrays (see :meth:`_stage`) and returns the argmax token of each
+        row of ``logits_indices``, on the device, without waiting for it (a draft model's steps).
+        Steps that fit a captured graph replay it."""
+        staged = self._stage(input_ids, query_lens, start_pos, block_tables, logits_indices, greedy=True,
+                             token_sources=token_sources, previous_tokens=previous_tokens)
+        return self._greedy_tokens(self._compute_logits(self._load(staged)))
+
     # ---- engine steps ------------------------------------------------------------------------
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -551,7 +567,7 @@ class ModelRunner:
             state = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                 list(new.output_token_ids), params, new.num_computed_tokens, self._take_row(),
-                plain_greedy=plain_greedy)
+                plain_greedy=plain_greedy, num_draft_computed_tokens=new.num_computed_tokens)
             self._append_blocks(state, new.block_ids)
             self.requests[new.req_id] = state
             joined.append(state)

@@ -29,6 +29,7 @@ from novainfer.distributed import (
     tp_group_context,
 )
 from novainfer.sample import SamplerOutput
+from novainfer.worker.draft_proposer import DraftModelProposer
 from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput, SequenceInput
 from novainfer.worker.step_broadcast import StepBroadcast
 
@@ -79,6 +80,9 @@ class Worker:
         self.device: torch.device | None = None
         self.tp_group: ProcessGroup = single_rank_group()
         self.model_runner: ModelRunner | None = None
+        # Speculative decoding's draft model ("draft_model" method): its runner and proposer.
+        self.draft_runner: ModelRunner | None = None
+        self.drafter: DraftModelProposer | None = None
         self.num_steps = 0
 
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -107,6 +111,13 @@ class Worker:
             self.model_runner.load_model()
         if self.tp_group.world_size > 1 and not self.follows_driver_steps:
             self.model_runner.sampler = Rank0Sampler(self.model_runner.sampler, self.tp_group)
+        draft_config = self.config.draft_model_config
+        if draft_config is not None:
+            self.draft_runner = ModelRunner(draft_config, self.config.cache_config, self.device)
+            self.draft_runner.load_model()
+            spec = self.config.speculative_config
+            self.drafter = DraftModelProposer(self.draft_runner, spec.num_speculative_tokens,
+                                              spec.disable_by_batch_size)
 
     def profile(self) -> int:
         """Peak bytes a full-budget forward step needs on the device, besides the KV cache, plus
@@ -152,7 +163,8 @@ class Worker:
         cache = self.config.cache_config
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        per_block = self.model_runner.kv_cache_bytes_per_block()
+        # A block holds its tokens' K/V in the target's cache and, with a draft model, in the draft's.
+        per_block = sum(runner.kv_cache_bytes_per_block() for runner in self._runners())
         if self.device.type != "cuda":
             budget = cache.kv_cache_memory_bytes or cache.cpu_kv_cache_default_bytes
         elif cache.kv_cache_memory_bytes is not None:
@@ -173,11 +185,16 @@ class Worker:
                                f"kv_cache_memory_bytes, or lower max_num_batched_tokens")
         return num_blocks
 
+    def _runners(self) -> list[ModelRunner]:
+        """The target's runner, then the draft model's if there is one."""
+        return [self.model_runner] + ([self.draft_runner] if self.draft_runner is not None else [])
+
     def initialize_cache(self, num_blocks: int) -> None:
-        self.model_runner.allocate_kv_cache(num_blocks)
         sched = self.config.scheduler_config
-        self.model_runner.reserve_step_buffers(sched.max_num_seqs, sched.max_num_batched_tokens)
-        self.model_runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens)
+        for runner in self._runners():
+            runner.allocate_kv_cache(num_blocks)
+            runner.reserve_step_buffers(sched.max_num_seqs, sched.max_num_batched_tokens)
+            runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -205,6 +222,8 @@ class Worker:
         runner = self.model_runner
         if step_broadcast is None:
             output = runner.execute_model(scheduler_output, pipelined=pipelined)
+            if self.drafter is not None:
+                self._propose_drafts(scheduler_output, output)
         elif self.is_driver_worker:
             try:
                 output = runner.execute_model(scheduler_output, on_staged=step_broadcast.publish,
@@ -221,6 +240,14 @@ class Worker:
                          scheduler_output.total_num_scheduled_tokens, 1e3 * (time.perf_counter() - started))
         return output
 
+    def _propose_drafts(self, scheduler_output: SchedulerOutput, outputs: list[ModelRunnerOutput]) -> None:
+        """Runs the draft model after a step (speculative steps are never left in flight, so
+        ``outputs`` holds this step's tokens, if it sampled) and adds its drafts to the output."""
+        sampled = outputs[-1] if outputs else None
+        drafts = self.drafter.propose(self.model_runner, scheduler_output, sampled.req_ids if sampled else [])
+        if sampled is not None:
+            sampled.draft_token_ids = drafts
+
     def check_health(self) -> None:
         if self.model_runner is None or self.model_runner.model is None:
             raise RuntimeError(f"worker rank={self.rank} local_rank={self.local_rank} has no model loaded")
@@ -230,4 +257,4 @@ class Worker:
         if self.tp_group.world_size > 1:
             ProcessGroupFactory.instance().destroy(self.tp_group)
             self.tp_group = single_rank_group()
-        self.model_runner = None
+        self.model_runner = self.draft_runner = self.drafter = None

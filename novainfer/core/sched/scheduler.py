@@ -46,6 +46,9 @@ class SchedulerConfig:
     # prompt never stalls the running streams with one long eager step; a step without decodes
     # still takes max_num_batched_tokens of prompts.
     max_mixed_step_tokens: int | None = None
+    # KV slots held past each request's scheduled tokens: a draft model (speculative decoding)
+    # writes the K/V of its proposals there before the step that verifies them is scheduled.
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -54,6 +57,8 @@ class SchedulerConfig:
             raise ValueError(f"max_mixed_step_tokens must be >= 1 or None, got {self.max_mixed_step_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
 
 
 @dataclass
@@ -167,7 +172,7 @@ class Scheduler:
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request.request_id, request.all_token_ids)
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, request.all_token_ids, num_new,
-                                                              hit_blocks, num_hit)
+                                                              hit_blocks, num_hit, self._lookahead(num_hit + num_new))
             if new_blocks is None:
                 break  # first come, first served: nobody behind it jumps the queue
             self.waiting.popleft()
@@ -202,6 +207,11 @@ class Scheduler:
             return budget
         return min(budget, max(bound - num_decodes, MIN_MIXED_PROMPT_CHUNK))
 
+    def _lookahead(self, num_tokens: int) -> int:
+        """Lookahead slots for a request that will have ``num_tokens`` computed tokens: never past the
+        context limit, so that a request alone in the cache always fits."""
+        return max(min(self.config.num_lookahead_tokens, self.max_context_len - num_tokens), 0)
+
     def _finishes_with_placeholders(self, request: Request) -> bool:
         """Whether the request's tokens in flight take it to its length limit: it finishes once
         they are known, so scheduling it again would only sample a token past its end."""
@@ -212,8 +222,10 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, num_scheduled: dict[str, int],
                              preempted: set[str]) -> list[int] | None:
+        lookahead = self._lookahead(request.num_computed_tokens + num_new)
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, request.all_token_ids, num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, request.all_token_ids, num_new,
+                                                              num_lookahead_tokens=lookahead)
             if new_blocks is not None:
                 return new_blocks
             # The most recently admitted request that this step has not scheduled yet (at worst

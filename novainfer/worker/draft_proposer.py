@@ -1,0 +1,119 @@
+"""Draft-model proposals for speculative decoding, run by the target's worker after each step.
+
+The draft model has a paged KV cache of its own (one tensor pair per draft layer), addressed by the
+target's block tables: a request's block ``b`` holds the target's K/V of its tokens in the target's
+cache and the draft's K/V of the same tokens in the draft's. Block accounting, prefix caching,
+preemption and freeing are therefore the target's, unchanged; the cache budget counts a block's
+bytes in both caches. The scheduler keeps ``num_speculative_tokens`` lookahead slots past each
+request's scheduled tokens, where the draft writes the K/V of its proposals.
+
+After every step the draft runs in two parts:
+
+1. Catch-up: one varlen forward over each scheduled request's known tokens that the draft has not
+   computed: a prompt chunk the target just computed (the draft keeps pace with the target, so a
+   block the prefix cache shares holds valid draft K/V too), or, for a request that sampled, its
+   newly accepted tokens up to and including its newest one, whose logits give the first draft.
+   Rejected drafts' positions are written over here.
+2. Proposal: ``num_speculative_tokens - 1`` one-token forwards, each feeding the previous argmax
+   (taken on the device), over the requests that sampled. Drafts are greedy: the proposal
+   distribution q is one-hot, as for n-gram drafts.
+
+The drafts' positions are not counted as computed by the draft: the next catch-up recomputes those
+that the target accepted (a few tokens per request, in the one forward that also feeds the newest
+token). Drafts reach the host in one copy at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from novainfer.core.sched.output import SchedulerOutput
+    from novainfer.worker.model_runner import CachedRequestState, ModelRunner
+
+
+class DraftModelProposer:
+    def __init__(self, draft_runner: ModelRunner, num_speculative_tokens: int,
+                 disable_by_batch_size: int | None = None) -> None:
+        """``draft_runner``: the draft model's runner (its model, KV cache, step buffers, graphs)."""
+        self.runner = draft_runner
+        self.k = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size
+
+    def propose(self, target: ModelRunner, so: SchedulerOutput, sampled_req_ids: Sequence[str]) -> list[list[int]]:
+        """Runs the draft after a step of ``target`` whose sampled tokens are on the host; returns the
+        drafts of each request of ``sampled_req_ids``, in that order (fewer than k where its KV
+        slots end, none while more requests run than ``disable_by_batch_size``)."""
+        sampled = set(sampled_req_ids)
+        states = [target.requests[rid] for rid in so.num_scheduled_tokens]
+        capacity = np.fromiter((s.num_blocks for s in states), np.int64, len(states)) * target.block_size
+        # A request that sampled knows its newest token, which the draft computes too; any other one
+        # computed a prompt chunk, which the draft computes in turn. Never past the request's slots.
+        ends = np.minimum([len(s.token_ids) if s.req_id in sampled else s.num_computed_tokens for s in states],
+                          capacity)
+        begins = np.fromiter((s.num_draft_computed_tokens for s in states), np.int64, len(states))
+        keep = ends > begins
+        states, capacity, ends, begins = [s for s, k in zip(states, keep) if k], capacity[keep], ends[keep], begins[keep]
+        if not states:
+            return [[] for _ in sampled_req_ids]
+        # Drafts of a request that sampled and whose newest token the draft computes: forward j
+        # writes position end - 1 + j, which needs a slot.
+        proposes = [s.req_id in sampled and end == len(s.token_ids) for s, end in zip(states, ends.tolist())]
+        num_drafts = np.where(proposes, np.minimum(self.k, capacity - ends + 1), 0)
+        if self.disable_by_batch_size is not None and len(target.requests) > self.disable_by_batch_size:
+            num_drafts[:] = 0
+        first = self._catch_up(target, states, begins, ends, num_drafts > 0)
+        drafts = self._propose(target, states, ends, num_drafts, first)
+        by_id = {s.req_id: row for s, row in zip(states, drafts)}
+        return [by_id.get(rid, []) for rid in sampled_req_ids]
+
+    def _catch_up(self, target: ModelRunner, states: list[CachedRequestState], begins: np.ndarray,
+                  ends: np.ndarray, proposing: np.ndarray) -> torch.Tensor:
+        """The catch-up forward; returns the first draft of each proposing request (device)."""
+        query_lens = ends - begins
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        input_ids = np.concatenate([np.asarray(s.token_ids[b:e], dtype=np.int64)
+                                    for s, b, e in zip(states, begins.tolist(), ends.tolist())])
+        logits_indices = (np.cumsum(query_lens) - 1)[proposing]
+        first = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
+                                        logits_indices)
+        for state, end in zip(states, ends.tolist()):
+            state.num_draft_computed_tokens = end
+        return first
+
+    def _propose(self, target: ModelRunner, states: list[CachedRequestState], ends: np.ndarray,
+                 num_drafts: np.ndarray, first: torch.Tensor) -> list[list[int]]:
+        """The one-token forwards after the catch-up; returns each state's drafts (host lists)."""
+        proposing = np.flatnonzero(num_drafts > 0)
+        drafts = torch.full((len(proposing), self.k), -1, dtype=torch.int64, device=first.device)
+        drafts[:, 0] = first
+        active = np.arange(len(proposing))  # rows of ``drafts`` still drafting
+        previous = first  # the last forward's tokens, one per active row
+        for j in range(1, self.k):
+            still = num_drafts[proposing[active]] > j
+            sources = np.flatnonzero(still)  # rows of ``previous`` that feed this forward
+            if not len(sources):
+                break
+            active = active[still]
+            seqs = proposing[active]
+            positions = ends[seqs] - 1 + j
+            rows = np.fromiter((states[i].row for i in seqs), np.int64, len(seqs))
+            num = len(seqs)
+            previous = self.runner.greedy_step(np.zeros(num, np.int64), np.ones(num, np.int64), positions,
+                                               self._block_tables(target, rows, positions + 1), np.arange(num),
+                                               token_sources=sources, previous_tokens=previous)
+            drafts[torch.from_numpy(active).to(drafts.device), j] = previous
+        result: list[list[int]] = [[] for _ in states]
+        for row, i in zip(drafts.tolist(), proposing.tolist()):
+            result[i] = row[:int(num_drafts[i])]
+        return result
+
+    @staticmethod
+    def _block_tables(target: ModelRunner, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """The target's block table rows of the given requests, as wide as the longest sequence needs."""
+        width = max(-(-int(seq_lens.max()) // target.block_size), 1)
+        return target.block_table_rows[rows, :width]
