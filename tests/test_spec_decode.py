@@ -211,15 +211,19 @@ def _prompt_with_an_uncertain_repeat(model_dir, vocab_size: int, temperature: fl
     raise AssertionError("no prompt of the kind found")
 
 
-def test_seeded_sampling_keeps_the_target_distribution(spec_model_dir, vocab_size):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_keeps_the_target_distribution(spec_model_dir, vocab_size, method):
     """Output tokens 2 and 3 of many seeded requests follow the joint distribution transformers
-    gives, although a draft (the repeated token) is verified for token 2 and accepted only part of
-    the time: rejection sampling must neither favour nor disfavour drafts."""
+    gives, although a draft (the repeated token; with a draft model, the target's own greedy token)
+    is verified for token 2 and accepted only part of the time: rejection sampling must neither
+    favour nor disfavour drafts."""
     temperature, top_k, n = 0.05, 4, 2000
     prompt = _prompt_with_an_uncertain_repeat(spec_model_dir, vocab_size, temperature, top_k)
     params = [SamplingParams(temperature=temperature, top_k=top_k, seed=seed, max_tokens=3, ignore_eos=True)
               for seed in range(n)]
-    completions, stats = generate(spec_model_dir, [prompt] * n, params, ngram(3), max_num_seqs=512,
+    spec = ngram(3) if method == "ngram" else {"method": method, "model": str(spec_model_dir),
+                                               "num_speculative_tokens": 3}
+    completions, stats = generate(spec_model_dir, [prompt] * n, params, spec, max_num_seqs=512,
                                   kv_cache_memory_bytes=SMALL_KV)
     assert_both_paths_ran(stats)
     first = max({c.token_ids[0] for c in completions}, key=[c.token_ids[0] for c in completions].count)
