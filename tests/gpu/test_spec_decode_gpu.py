@@ -1,6 +1,7 @@
 """Speculative decoding on the GPU: steps with drafts replay mixed-step CUDA graphs where they fit
 one (eager otherwise), and greedy outputs equal those of plain decoding with async scheduling and
-graphs (the GPU defaults), and transformers' for one request."""
+graphs (the GPU defaults), and transformers' for one request; with n-gram drafts and with a draft
+model (whose steps replay graphs of its own)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 import pytest
 
 from novainfer import LLM, SamplingParams
+from tests.test_spec_decode_draft import truncated_copy
 from tests.utils import hf_greedy, random_ids, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -41,3 +43,28 @@ def test_greedy_speculative_outputs_on_gpu_equal_plain_ones(max_num_seqs):
     stats = llm.llm_engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
     assert spec[1].outputs[0].token_ids == hf_greedy(model, prompts[1], MAX_TOKENS, device="cuda")
+
+
+@pytest.mark.parametrize("draft", ["itself", "first_layer"])
+@pytest.mark.parametrize("max_num_seqs", [8, 256])
+def test_greedy_draft_model_outputs_on_gpu_equal_plain_ones(max_num_seqs, draft):
+    """The target drafting for itself has (nearly) every draft accepted: its draft cache must hold
+    what the target's holds; only a near-tie that the draft's one-token steps and the target's
+    verification steps (other kernels, other summation orders) break differently may be rejected.
+    Its first layer alone has part of them accepted."""
+    model = tiny_model(std=0.1)
+    draft_dir = model if draft == "itself" else truncated_copy(model, 1)
+    prompts = _prompts(700)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs).generate(inputs, params, use_tqdm=False)
+    llm = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs,
+              speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 4})
+    spec = llm.generate(inputs, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.llm_engine.get_stats()
+    drafted, accepted = stats.spec_decode_num_draft_tokens_total, stats.spec_decode_num_accepted_tokens_total
+    assert 0 < accepted < drafted if draft == "first_layer" else 0 < accepted >= 0.99 * drafted
+    assert llm.llm_engine.engine_core.executor.driver_worker.draft_runner.graphs, "the draft captured no graphs"
+    kv = llm.llm_engine.engine_core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
