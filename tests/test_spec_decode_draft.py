@@ -9,6 +9,7 @@ its first layer, whose drafts are accepted part of the time (both verification p
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.sched.request import Request
 from novainfer.core.sched.scheduler import Scheduler, SchedulerConfig
 from novainfer.engine.arg_utils import EngineArgs
+from novainfer.entrypoints.cli.args import add_engine_args, engine_args_from
 from novainfer.tiny_model import build_tokenizer, cache_root, write_once
 from novainfer.worker.draft_proposer import DraftModelProposer
 from tests.test_spec_decode import (  # noqa: F401 (fixtures)
@@ -204,6 +206,17 @@ def test_lookahead_slots_are_held_but_not_computed():
         scheduler.schedule()
     # 11 tokens known and scheduled: slots for 3 more would pass max_model_len 12.
     assert kv._requests["r"].num_tokens == 11 and len(kv.get_block_ids("r")) == 3
+
+
+def test_cli_flag_configures_the_draft_model(spec_model_dir, drafts):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flag = json.dumps(draft_model(drafts["first_layer"], 3))
+    config = engine_args_from(parser.parse_args(["--device", "cpu", "--speculative-config", flag]),
+                              str(spec_model_dir)).create_engine_config()
+    assert config.draft_model_config.model == str(drafts["first_layer"])
+    assert config.draft_model_config.num_layers == 1 and config.model_config.num_layers == 2
+    assert config.scheduler_config.num_lookahead_tokens == 3
 
 
 @pytest.fixture(scope="module")

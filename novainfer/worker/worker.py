@@ -122,15 +122,14 @@ class Worker:
     def profile(self) -> int:
         """Peak bytes a full-budget forward step needs on the device, besides the KV cache, plus
         what the CUDA graphs will hold: their private pool keeps the activations of the largest
-        captured step, apart from the memory eager steps reuse (CUDA only)."""
-        runner = self.model_runner
+        captured step, apart from the memory eager steps reuse (CUDA only). A draft model's graphs
+        have a pool of their own; its eager steps reuse the target's memory (a smaller model)."""
         sched = self.config.scheduler_config
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * sched.max_model_len)
-        peak = self._peak_forward_bytes(num_tokens)
-        graph_pool = 0
-        if runner.cuda_graphs_enabled:
-            graph_tokens = min(num_tokens, self.config.model_config.max_cudagraph_capture_size)
-            graph_pool = self._peak_forward_bytes(graph_tokens) - torch.cuda.memory_allocated(self.device)
+        peak = self._peak_forward_bytes(num_tokens, self.model_runner)
+        graph_tokens = min(num_tokens, self.config.model_config.max_cudagraph_capture_size)
+        graph_pool = sum(self._peak_forward_bytes(graph_tokens, runner) - torch.cuda.memory_allocated(self.device)
+                         for runner in self._runners() if runner.cuda_graphs_enabled)
         return peak + graph_pool
 
     def _prompt_step(self, num_tokens: int) -> tuple[list[SequenceInput], int]:
@@ -145,10 +144,9 @@ class Worker:
             first += count
         return seqs, first
 
-    def _peak_forward_bytes(self, num_tokens: int) -> int:
-        """Peak bytes allocated while a step of ``num_tokens`` prompt tokens runs on a KV cache just
-        large enough, which is then released."""
-        runner = self.model_runner
+    def _peak_forward_bytes(self, num_tokens: int, runner: ModelRunner) -> int:
+        """Peak bytes allocated while ``runner`` runs a step of ``num_tokens`` prompt tokens on a KV
+        cache just large enough, which is then released."""
         seqs, num_blocks = self._prompt_step(num_tokens)
         runner.allocate_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
