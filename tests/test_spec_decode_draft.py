@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from benchmarks.draft_model import write_truncated_copy
 from novainfer import LLM, SamplingParams
 from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.sched.request import Request
@@ -41,18 +41,16 @@ from tests.utils import SMALL_KV, hf_greedy, hf_logits, tiny_model
 def truncated_copy(model_dir: Path, num_layers: int) -> Path:
     """A copy of a checkpoint with only its first ``num_layers`` decoder layers (embeddings, final
     norm and LM head kept): a draft that agrees with the target part of the time."""
-    def write(out: Path) -> None:
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            shutil.copy(model_dir / name, out / name)
-        config = json.loads((model_dir / "config.json").read_text())
-        config["num_hidden_layers"] = num_layers
-        (out / "config.json").write_text(json.dumps(config, indent=2))
-        state = load_file(str(model_dir / "model.safetensors"))
-        kept = {k: v for k, v in state.items()
-                if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
-        save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return write_once(cache_root() / f"{model_dir.name}-draft-of-{num_layers}-layers",
+                      lambda out: write_truncated_copy(model_dir, out, num_layers))
 
-    return write_once(cache_root() / f"{model_dir.name}-first-{num_layers}-layers", write)
+
+def test_truncated_copy_keeps_the_first_layers_only(spec_model_dir, tmp_path):
+    draft = truncated_copy(spec_model_dir, 1)
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
+    assert (draft / "tokenizer.json").read_bytes() == (spec_model_dir / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match="num_layers"):
+        write_truncated_copy(spec_model_dir, tmp_path, 3)
 
 
 def draft_model(model: Path, k: int, **extra) -> dict:
