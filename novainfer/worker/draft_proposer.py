@@ -87,29 +87,27 @@ class DraftModelProposer:
 
     def _propose(self, target: ModelRunner, states: list[CachedRequestState], ends: np.ndarray,
                  num_drafts: np.ndarray, first: torch.Tensor) -> list[list[int]]:
-        """The one-token forwards after the catch-up; returns each state's drafts (host lists)."""
+        """The one-token forwards after the catch-up; returns each state's drafts (host lists). The
+        forwards' tokens stay on the device, where the next forward reads them, until one copy."""
         proposing = np.flatnonzero(num_drafts > 0)
-        drafts = torch.full((len(proposing), self.k), -1, dtype=torch.int64, device=first.device)
-        drafts[:, 0] = first
-        active = np.arange(len(proposing))  # rows of ``drafts`` still drafting
-        previous = first  # the last forward's tokens, one per active row
+        outputs, owners = [first], [proposing]  # each forward's tokens, and the states they belong to
         for j in range(1, self.k):
-            still = num_drafts[proposing[active]] > j
-            sources = np.flatnonzero(still)  # rows of ``previous`` that feed this forward
-            if not len(sources):
+            still = num_drafts[owners[-1]] > j
+            if not still.any():
                 break
-            active = active[still]
-            seqs = proposing[active]
+            seqs = owners[-1][still]
             positions = ends[seqs] - 1 + j
             rows = np.fromiter((states[i].row for i in seqs), np.int64, len(seqs))
             num = len(seqs)
-            previous = self.runner.greedy_step(np.zeros(num, np.int64), np.ones(num, np.int64), positions,
-                                               self._block_tables(target, rows, positions + 1), np.arange(num),
-                                               token_sources=sources, previous_tokens=previous)
-            drafts[torch.from_numpy(active).to(drafts.device), j] = previous
+            block_tables = self._block_tables(target, rows, positions + 1)
+            outputs.append(self.runner.greedy_step(np.zeros(num, np.int64), np.ones(num, np.int64), positions,
+                                                   block_tables, np.arange(num), token_sources=np.flatnonzero(still),
+                                                   previous_tokens=outputs[-1]))
+            owners.append(seqs)
+        tokens = torch.cat(outputs).tolist()
         result: list[list[int]] = [[] for _ in states]
-        for row, i in zip(drafts.tolist(), proposing.tolist()):
-            result[i] = row[:int(num_drafts[i])]
+        for i, token in zip(np.concatenate(owners).tolist(), tokens):  # forward by forward: drafts in order
+            result[i].append(token)
         return result
 
     @staticmethod
