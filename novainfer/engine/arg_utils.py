@@ -132,7 +132,12 @@ def draft_model_config_for(draft_model: str, target: ModelConfig) -> ModelConfig
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"{key} {draft_model!r} has vocab_size {draft.vocab_size}, the target {target.model!r} has "
                          f"{target.vocab_size}: a draft model must share the target's vocabulary")
-    differences = _tokenizer_differences(get_tokenizer(target.tokenizer), get_tokenizer(draft.tokenizer))
+    try:
+        draft_tokenizer = get_tokenizer(draft.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{key} {draft_model!r}: its tokenizer cannot be loaded ({exc}); a draft model must "
+                         f"share the target's tokenizer") from exc
+    differences = _tokenizer_differences(get_tokenizer(target.tokenizer), draft_tokenizer)
     if differences:
         raise ValueError(f"{key} {draft_model!r} has another tokenizer than the target {target.model!r} "
                          f"({differences}): a draft model must share the target's tokenizer")
@@ -146,5 +151,9 @@ def _tokenizer_differences(target: Any, draft: Any) -> str:
     if not differing:
         return ""
     example = differing[0]
-    return (f"{len(differing)} token(s) differ, e.g. {example!r} is {target_vocab.get(example)} in the target and "
-            f"{draft_vocab.get(example)} in the draft")
+
+    def where(vocab: dict[str, int], name: str) -> str:
+        return f"id {vocab[example]} in the {name}" if example in vocab else f"absent from the {name}"
+
+    return f"{len(differing)} token(s) differ, e.g. {example!r}: {where(target_vocab, 'target')}, " \
+           f"{where(draft_vocab, 'draft')}"
