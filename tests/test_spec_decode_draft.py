@@ -25,6 +25,7 @@ from novainfer.core.sched.scheduler import Scheduler, SchedulerConfig
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.entrypoints.cli.args import add_engine_args, engine_args_from
 from novainfer.tiny_model import build_tokenizer, cache_root, write_once
+from novainfer.worker.cuda_graphs import GraphKey, StepGraphs
 from novainfer.worker.draft_proposer import DraftModelProposer
 from tests.test_spec_decode import (  # noqa: F401 (fixtures)
     CONFIGS,
@@ -169,16 +170,27 @@ def test_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompt
         assert g.outputs[0].finish_reason == e.outputs[0].finish_reason == "stop"
 
 
-def test_draft_steps_replay_graphs(request, spec_model_dir, prompts, plain_greedy):
-    """With (CPU-emulated) CUDA graphs, the draft's one-token proposal steps replay its decode graphs,
-    and outputs and full acceptance stay those of eager steps."""
-    replayed = request.getfixturevalue("emulated_graphs")
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
-    completions, stats = generate(spec_model_dir, prompts, params, draft_model(spec_model_dir, 3), device="cpu",
-                                  max_num_seqs=16, max_cudagraph_capture_size=64, kv_cache_memory_bytes=SMALL_KV)
-    assert [c.token_ids for c in completions] == plain_greedy()
-    assert_acceptance(stats, "itself")
-    assert any(key.kind == "decode" for key in replayed) and any(key.kind == "mixed" for key in replayed)
+def test_draft_steps_replay_graphs(request, monkeypatch, spec_model_dir, prompts, plain_greedy):
+    """With (CPU-emulated) CUDA graphs, the draft's one-token proposal steps replay its own decode
+    graphs, and outputs and full acceptance stay those of eager steps."""
+    request.getfixturevalue("emulated_graphs")
+    replayed_by: list[tuple[StepGraphs, GraphKey]] = []
+    replay = StepGraphs.replay
+
+    def recording(self, key):
+        replayed_by.append((self, key))
+        return replay(self, key)
+
+    monkeypatch.setattr(StepGraphs, "replay", recording)
+    llm = LLM(str(spec_model_dir), speculative_config=draft_model(spec_model_dir, 3), device="cpu", max_num_seqs=16,
+              max_cudagraph_capture_size=64, kv_cache_memory_bytes=SMALL_KV)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+        temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == plain_greedy()
+    assert_acceptance(llm.llm_engine.get_stats(), "itself")
+    draft_graphs = llm.llm_engine.engine_core.executor.driver_worker.draft_runner.graphs
+    draft_kinds = {key.kind for graphs, key in replayed_by if graphs is draft_graphs}
+    assert draft_kinds == {"decode", "mixed"}  # proposals, and catch-ups of several tokens
 
 
 def test_disable_by_batch_size(spec_model_dir, prompts, plain_greedy):
