@@ -57,7 +57,8 @@ class DraftModelProposer:
                           capacity)
         begins = np.fromiter((s.num_draft_computed_tokens for s in states), np.int64, len(states))
         keep = ends > begins
-        states, capacity, ends, begins = [s for s, k in zip(states, keep) if k], capacity[keep], ends[keep], begins[keep]
+        states = [s for s, k in zip(states, keep) if k]
+        capacity, ends, begins = capacity[keep], ends[keep], begins[keep]
         if not states:
             return [[] for _ in sampled_req_ids]
         # Drafts of a request that sampled and whose newest token the draft computes: forward j
