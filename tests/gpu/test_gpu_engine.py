@@ -184,3 +184,26 @@ def test_graphs_on_and_off_give_the_same_tokens_for_512_requests_under_continuou
         llm.shutdown()
     assert counts["mixed"] > 0 and counts["decode"] > 0, counts
     assert results[False] == results[True]
+
+
+def _attention_kernel_variants() -> dict[str, int]:
+    """How many compiled variants each attention kernel holds (on every device)."""
+    from novainfer.attention.ops import decode_attention as decode_ops
+    from novainfer.attention.ops import prefill_attention as prefill_ops
+
+    kernels = {"decode": decode_ops._decode_attention_kernel, "reduce": decode_ops._reduce_splits_kernel,
+               "prefill": prefill_ops._prefill_attention_kernel}
+    return {name: sum(len(cache[0]) for cache in kernel.device_caches.values()) for name, kernel in kernels.items()}
+
+
+def test_start_up_compiles_every_attention_kernel_a_workload_launches(model_dir):
+    """Eager steps beyond the captured bound, with few and many decodes of short and long contexts
+    (so every split count), launch no attention kernel variant that start-up did not compile."""
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
+              max_cudagraph_capture_size=16, num_gpu_blocks_override=2048)
+    compiled = _attention_kernel_variants()
+    vocab_size = llm.llm_engine.model_config.vocab_size
+    prompts = _prompts(vocab_size, 96, seed=5) + random_prompts(vocab_size, [1500, 1800], seed=6)
+    _generate(llm, prompts, max_tokens=24)
+    llm.shutdown()
+    assert _attention_kernel_variants() == compiled
