@@ -56,7 +56,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, head_size: int, max_seq_
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
-@triton.jit(do_not_specialize=["scale_log2", "num_splits"])
+# Not specialized on the block table's row stride: it follows the step buffers' capacity, and start-up
+# compiles each variant once with a table of its own (see TritonAttentionBackend.warm_up).
+@triton.jit(do_not_specialize=["scale_log2", "num_splits", "stride_block_table"])
 def _decode_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, scale_log2, num_splits, stride_q_t, stride_q_h, stride_out_t, stride_out_h,

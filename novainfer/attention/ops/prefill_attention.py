@@ -41,7 +41,8 @@ def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "scale_log2"])
+# Not specialized on the block table's row stride (see the decode kernel).
+@triton.jit(do_not_specialize=["num_seqs", "scale_log2", "stride_block_table"])
 def _prefill_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs,
         scale_log2, stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_cache_block, stride_cache_slot,
