@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from novainfer.layers.ops.common import next_power_of_2
+from novainfer.layers.ops.launcher import KernelLauncher
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -30,6 +31,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_rms_norm = KernelLauncher(_rms_norm_kernel)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """``weight * norm(x)``; with ``residual``: ``(weight * norm(x + residual), x + residual)``.
 
@@ -47,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         residual_out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
     if num_rows:
         block = next_power_of_2(hidden_size)
-        _rms_norm_kernel[(num_rows,)](
+        _launch_rms_norm[(num_rows,)](
             x2d, residual2d, weight, out, residual_out, x2d.stride(0),
             0 if residual2d is None else residual2d.stride(0), out.stride(0),
             0 if residual_out is None else residual_out.stride(0), hidden_size, eps,
