@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from novainfer.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from novainfer.attention.ops import reshape_and_cache  # noqa: E402
-from novainfer.layers.ops import rms_norm, rotary_embedding_, silu_and_mul  # noqa: E402
+from novainfer.layers.ops import fused_add_rms_norm_, rms_norm, rotary_embedding_, silu_and_mul  # noqa: E402
 from novainfer.layers.ops.launcher import KernelLauncher, direct_launches  # noqa: E402
 from novainfer.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from tests.gpu.test_fused_ops import paged_step_metadata, randn  # noqa: E402
@@ -45,7 +45,8 @@ def norm_and_activation(dtype: torch.dtype, num_tokens: int, misaligned: bool):
     gate_up = randn(num_tokens, 2 * 1216, dtype=dtype, seed=4)
     if misaligned:
         x, gate_up = unaligned(x), unaligned(gate_up)
-    return (rms_norm(x, weight, 1e-6), *rms_norm(x, weight, 1e-6, residual), silu_and_mul(gate_up))
+    return (rms_norm(x, weight, 1e-6), *rms_norm(x, weight, 1e-6, residual), silu_and_mul(gate_up),
+            *fused_add_rms_norm_(x.clone(), residual.clone(), weight, 1e-6))
 
 
 def attention_step(dtype: torch.dtype, query_lens: list[int], context_lens: list[int]):
