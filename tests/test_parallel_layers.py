@@ -375,6 +375,29 @@ def test_linear_is_bitwise_f_linear_and_follows_weight_changes(cls, bias, dtype)
     assert torch.equal(layer(x.double()), expected(x.double()))
 
 
+def test_linear_dispatches_one_matmul_per_call():
+    """The per-call cost the cached view removes: a linear layer on [T, in] is one aten op (no
+    ``t``/``transpose`` of the weight per call, as F.linear has)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(5, 12)
+    for layer, op in ((ColumnParallelLinear(12, 8, bias=True, tp_group=group(1, 0)), "addmm.default"),
+                      (RowParallelLinear(12, 8, reduce_results=False, tp_group=group(1, 0)), "mm.default")):
+        layer(x)
+        with Recorder() as recorder:
+            layer(x)
+        assert recorder.ops == [op]
+
+
 # ---- row parallel -------------------------------------------------------------------------------
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_row_parallel_shards_input_dim_bias_replicated(tp):
