@@ -126,5 +126,9 @@ def test_plain_launches_when_disabled_or_hooked(launcher):
     finally:
         hooks.remove(hook)
     assert len(launcher.plain) == 3
+    launcher.kernel.add_pre_run_hook(lambda *args, **kwargs: None)
+    launcher[(1,)](x, x, 64, 0.5, BLOCK=32)  # a pre-run hook of the kernel runs too
+    assert len(launcher.plain) == 4
+    launcher.kernel.pre_run_hooks.clear()
     launcher[(1,)](x, x, 64, 0.5, BLOCK=32)
-    assert len(launcher.plain) == 3
+    assert len(launcher.plain) == 4

@@ -13,7 +13,8 @@ equal to 1 or divisible by 16, 32- or 64-bit integers, every constexpr) and, wit
 (``num_warps``, ``num_stages``, ...) and the device, that is the key of its table of binaries. A
 key seen before launches its binary directly; a new one goes through ``kernel[grid]``, which
 compiles if needed and launches, and its binary is kept. Triton's interpreter, a launch hook
-(profilers such as proton install one) and ``direct_launches(False)`` take the plain path always.
+(profilers such as proton install one), a pre-run hook on the kernel and ``direct_launches(False)``
+take the plain path always.
 
 What the direct path skips is assumed fixed for the life of the process: Triton's debug and
 instrumentation knobs, and the kernel's globals.
@@ -72,7 +73,7 @@ class KernelLauncher:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
-        if not (_direct and self._compiled) or _launch_hooked():
+        if not (_direct and self._compiled) or self.kernel.pre_run_hooks or _launch_hooked():
             self.kernel[grid](*args, **kwargs)
             return
         current_device, current_stream = _device_and_stream()
