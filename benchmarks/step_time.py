@@ -19,11 +19,13 @@ final norm; staging the step's inputs and the LM head are not timed) is run ``--
 
     python benchmarks/step_time.py                                  # tiny model on CPU
     python benchmarks/step_time.py --arch qwen2-0.5b --batch-size 256 --context 512
+    python benchmarks/step_time.py --arch qwen2-0.5b --plain-triton-launches   # kernel[grid] launches, to compare
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -52,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     w.add_argument("--compile", default="both", choices=["off", "on", "both"],
                    help="compilation_level 0, 1 or both, one after the other")
+    w.add_argument("--plain-triton-launches", action="store_true",
+                   help="launch the Triton kernels through kernel[grid] (JITFunction.run) instead of directly")
     r = p.add_argument_group("runs")
     r.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens in these)")
     r.add_argument("--steps", type=int, default=30, help="timed steps; medians are reported")
@@ -129,6 +133,16 @@ def _host_profile(forward, steps: int, num_layers: int, top: int) -> dict[str, l
     return {"self_time": rows(stats, 2), "project_cumulative_time": rows(ours, 3)}
 
 
+def _triton_launches(plain: bool):
+    """Kernel launches through ``kernel[grid]`` when ``plain`` (imported only then: trees from before
+    the direct launcher are measured as they are)."""
+    if not plain:
+        return contextlib.nullcontext()
+    from novainfer.layers.ops.launcher import direct_launches
+
+    return direct_launches(False)
+
+
 def run_variant(args, model_dir: str, device, compilation_level: int) -> dict[str, Any]:
     import torch
 
@@ -156,7 +170,7 @@ def run_variant(args, model_dir: str, device, compilation_level: int) -> dict[st
 
     host, wall = [], []
     first_s = None
-    with torch.inference_mode():
+    with torch.inference_mode(), _triton_launches(args.plain_triton_launches):
         for i in range(args.warmup + args.steps):
             _synchronize(device)
             t0 = time.perf_counter()
@@ -217,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": summary,
         **facts,
         "workload": {"batch_size": args.batch_size, "context": args.context, "block_size": args.block_size,
+                     "triton_launches": "plain" if args.plain_triton_launches else "direct",
                      "dtype": args.dtype, "warmup_steps": args.warmup, "timed_steps": args.steps,
                      "profiled_steps": args.profile_steps, "timed": "model forward only (no staging, no LM head)"},
         "variants": rows,
