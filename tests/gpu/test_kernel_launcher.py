@@ -138,3 +138,27 @@ def test_launches_inside_a_cuda_graph_replay_the_direct_binaries():
     torch.cuda.synchronize()
     for g, e in zip(out, expected, strict=True):
         assert torch.equal(g, e)
+
+
+def test_model_steps_with_direct_launches_give_the_plain_logits():
+    """A Qwen2-0.5B-shaped model (4 layers), bf16, Triton attention: a prefill step and then a mixed
+    step (decodes beside a new prompt) give bitwise the logits of the same steps launched plainly."""
+    from novainfer.worker.model_runner import SequenceInput
+    from tests.test_model_parity import block_tables_for, make_runner, random_prompts
+    from tests.utils import tiny_model
+
+    model_dir = tiny_model(num_attention_heads=14, num_key_value_heads=2, head_dim=64, hidden_size=896,
+                           intermediate_size=4864, num_hidden_layers=4, tie_word_embeddings=True, std=0.05)
+    runner = make_runner(model_dir, block_size=16, num_blocks=64, device="cuda", dtype="bfloat16",
+                         attention_backend="triton")
+    prompts = random_prompts(runner.model_config.vocab_size, [5, 33, 120, 17], seed=3)
+    tables = block_tables_for([len(p) + 1 for p in prompts], runner.block_size)
+    prefill = [SequenceInput(p, 0, t, "all") for p, t in zip(prompts[:3], tables)]
+    mixed = [*(SequenceInput([7 + i], len(p), t, "last") for i, (p, t) in enumerate(zip(prompts[:3], tables))),
+             SequenceInput(prompts[3], 0, tables[3], "all")]
+    logits = {}
+    for direct in (False, True, True):  # the second direct run launches kept binaries only
+        with direct_launches(direct):
+            logits[direct] = [runner.forward(prefill).cpu(), runner.forward(mixed).cpu()]
+    for got, expected, step in zip(logits[True], logits[False], ("prefill", "mixed")):
+        assert torch.equal(got, expected), f"{step} step: direct launches changed the logits"
