@@ -181,8 +181,11 @@ def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_dr
     assert so.num_scheduled_tokens == {"stops": 5, "goes-on": 5}
     assert so.scheduled_spec_decode_tokens == {"stops": [21, 99, 23, 24], "goes-on": [21, 99, 23, 24]}
     going_on = scheduler.requests["goes-on"]
-    stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]])
+    logprobs = {token: ([token], [-0.5], 1) for token in (21, 99, 23, 30)}
+    stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]], [
+        [logprobs[t] for t in (21, 99, 23, 30)], None])
     assert stopped.new_token_ids == [21, 99] and stopped.finish_reason == "stop" and stopped.stop_reason == 99
+    assert stopped.new_logprobs == [logprobs[21], logprobs[99]]  # those of the dropped tokens too are dropped
     assert went_on.new_token_ids == [21, 30] and went_on.finish_reason is None
     # Prompt 5 + 3 outputs known; the newest (30) is not computed yet, nor the rejected drafts.
     assert going_on.all_token_ids == [10, 11, 12, 13, 14, 20, 21, 30] and going_on.num_computed_tokens == 7
@@ -275,13 +278,61 @@ def test_unsupported_combinations_are_refused():
             "method": "draft_model", "model": "x", "num_speculative_tokens": 2}).create_engine_config()
 
 
-@pytest.mark.parametrize("params, field", [(dict(logprobs=1), "logprobs"), (dict(presence_penalty=0.5),
-                                           "presence_penalty"), (dict(repetition_penalty=1.1), "repetition_penalty")])
-def test_unsupported_sampling_settings_raise_at_add_request(spec_model_dir, params, field):
-    llm = LLM(str(spec_model_dir), speculative_config=ngram(2), kv_cache_memory_bytes=SMALL_KV)
-    with pytest.raises(ValueError, match=field):
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **params), use_tqdm=False)
-    assert not llm.llm_engine.has_unfinished_requests()
+def test_greedy_logprobs_equal_those_without_speculation(spec_model_dir, prompts):
+    """Each token's logprob entries (its own, its rank, the top 3) come from the target's logits at
+    its position, accepted draft or not: the same as without speculation, to float tolerance."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, logprobs=3)
+    plain, _ = generate(spec_model_dir, prompts, params, kv_cache_memory_bytes=SMALL_KV)
+    spec, stats = generate(spec_model_dir, prompts, params, ngram(4), kv_cache_memory_bytes=SMALL_KV)
+    assert_both_paths_ran(stats)
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids and len(s.logprobs) == len(p.logprobs) == MAX_TOKENS
+        for token, p_entries, s_entries in zip(p.token_ids, p.logprobs, s.logprobs):
+            assert list(s_entries) == list(p_entries) and token in s_entries and len(s_entries) in (3, 4)
+            for token_id, entry in p_entries.items():
+                assert s_entries[token_id].rank == entry.rank
+                assert s_entries[token_id].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert s.cumulative_logprob == pytest.approx(p.cumulative_logprob, abs=1e-3)
+
+
+# Small enough that greedy outputs still repeat themselves (drafts get accepted); the frequency
+# penalty changes with every draft a row counts, so a verifier that scored every draft with the
+# counts of the step's start would give other tokens (the presence and repetition penalties of a
+# draft copied from the request's own tokens rarely or never change; their per-row state is checked
+# on its own in test_spec_decode_parts).
+def test_sampled_logprobs_are_the_targets_at_each_position(spec_model_dir, prompts):
+    """Seeded sampling (near-greedy, so that drafts get accepted) with speculation: each token's
+    logprob is transformers' log-softmax at its position, and the top entries are its best tokens."""
+    params = [SamplingParams(temperature=0.05, seed=seed, ignore_eos=True, max_tokens=16, logprobs=2)
+              for seed in range(3)]
+    completions, stats = generate(spec_model_dir, prompts[:3], params, ngram(3), kv_cache_memory_bytes=SMALL_KV)
+    assert stats.spec_decode_num_accepted_tokens_total > 0
+    for prompt, completion in zip(prompts[:3], completions):
+        logits = hf_logits(spec_model_dir, prompt + completion.token_ids)
+        want = logits[len(prompt) - 1:-1].float().log_softmax(dim=-1)
+        for i, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert entries[token].logprob == pytest.approx(float(want[i, token]), abs=1e-4)
+            top = want[i].topk(2).indices.tolist()
+            assert set(top) <= set(entries) and entries[top[0]].rank == 1
+
+
+PENALTIES = {
+    "frequency": dict(frequency_penalty=0.1),
+    "presence": dict(presence_penalty=0.3),
+    "repetition": dict(repetition_penalty=1.2),
+    "all": dict(frequency_penalty=0.05, presence_penalty=0.3, repetition_penalty=1.05),
+}
+
+
+@pytest.mark.parametrize("penalty", list(PENALTIES))
+def test_greedy_with_penalties_equals_the_run_without_speculation(spec_model_dir, prompts, penalty):
+    """A draft at position j is scored with the penalty state counting the drafts before it (the
+    tokens it follows when it is used): greedy outputs stay those without speculation."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, **PENALTIES[penalty])
+    plain, _ = generate(spec_model_dir, prompts, params, kv_cache_memory_bytes=SMALL_KV)
+    spec, stats = generate(spec_model_dir, prompts, params, ngram(4), kv_cache_memory_bytes=SMALL_KV)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert_both_paths_ran(stats)
 
 
 def test_speculative_steps_replay_mixed_graphs(request, spec_model_dir, prompts, plain_greedy):

@@ -252,13 +252,20 @@ class SamplingStateTable:
             rows=rows_d,
         )
 
-    def record_sampled(self, metadata: SamplingMetadata, sampled: torch.Tensor) -> None:
+    def record_sampled(self, metadata: SamplingMetadata, sampled: torch.Tensor,
+                       emitted: torch.Tensor | None = None) -> None:
         """Adds a step's sampled tokens to their rows' output counts and seen-token masks (on the
-        device), where some row of the step reads them; the other rows never do."""
+        device), where some row of the step reads them; the other rows never do. ``emitted`` [B]
+        bool: which entries of ``sampled`` count (speculative decoding: a rejected draft's
+        position emits nothing); None: all."""
         if metadata.no_penalties:
             return
-        flat = metadata.rows * self.vocab_size + sampled
+        flat = metadata.rows * self.vocab_size + sampled.clamp(min=0)
         if metadata.output_token_counts is not None:
-            self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            ones = torch.ones_like(flat, dtype=torch.int32) if emitted is None else emitted.to(torch.int32)
+            self.output_counts.view(-1).scatter_add_(0, flat, ones)
         if metadata.seen_token_mask is not None:
-            self.seen_mask.view(-1).index_fill_(0, flat, True)
+            if emitted is None:
+                self.seen_mask.view(-1).index_fill_(0, flat, True)
+            else:  # seen |= emitted, entry by entry
+                self.seen_mask.view(torch.uint8).view(-1).scatter_reduce_(0, flat, emitted.to(torch.uint8), "amax")

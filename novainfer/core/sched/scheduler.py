@@ -254,13 +254,13 @@ class Scheduler:
                                        request.num_computed_tokens))
 
     def update_from_output(self, req_ids: Iterable[str], sampled_token_ids: Iterable[list[int]],
-                           logprobs: Iterable[tuple[list[int], list[float], int] | None] | None = None
+                           logprobs: Iterable[list[tuple[list[int], list[float], int]] | None] | None = None
                            ) -> list[EngineCoreOutput]:
         """Fills in a step's sampled tokens (per request: one, or with speculative decoding its
         accepted drafts and one more), applies the token-level stop conditions token by token and
         frees the requests they end; returns one output per request that got tokens. A stop ends
         a request at its token: the tokens after it are dropped. ``logprobs``: per request, those
-        of its token (steps with logprobs sample one token per request).
+        of each of its tokens (or None).
 
         Requests finished since the step was scheduled are skipped. A request preempted since
         then keeps its tokens: they are part of what it recomputes when it resumes.
@@ -272,7 +272,7 @@ class Scheduler:
                 continue
             if request.spec_token_ids:
                 self._take_back_rejected(request, len(tokens) - 1)
-            output = EngineCoreOutput(rid, [], None if token_logprobs is None else [token_logprobs])
+            output = EngineCoreOutput(rid, [], token_logprobs)
             for token in tokens:
                 request.append_output_token(token)
                 output.new_token_ids.append(token)
@@ -285,6 +285,8 @@ class Scheduler:
                     output.finish_reason = request.get_finished_reason()
                     output.stop_reason = request.stop_reason
                     break
+            if token_logprobs is not None:
+                del token_logprobs[len(output.new_token_ids):]  # those of the tokens dropped after a stop
             outputs.append(output)
         return outputs
 
