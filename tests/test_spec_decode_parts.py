@@ -185,8 +185,10 @@ def test_penalty_state_of_each_position_counts_the_drafts_before_it():
 
     # The step emitted request 0's first two drafts and 6, request 1's 2, request 2's 8 and 1.
     emitted_tokens = [[7, 7, 6], [2], [8, 1]]
-    sampled = torch.tensor([(emitted_tokens[b] + [-1] * 4)[j] for b, j in zip(request, position)])
-    table.record_sampled(metadata, sampled, sampled >= 0)
+    # Positions after a request's emitted tokens repeat its last one, uncounted.
+    sampled = torch.tensor([(emitted_tokens[b] + [emitted_tokens[b][-1]] * 4)[j] for b, j in zip(request, position)])
+    table.record_sampled(metadata, sampled, torch.tensor([j < len(emitted_tokens[b])
+                                                          for b, j in zip(request, position)]))
     for b in range(3):
         counts = Counter(outputs[b] + emitted_tokens[b])
         assert table.output_counts[b].tolist() == [counts[t] for t in range(vocab)]

@@ -253,19 +253,17 @@ class SamplingStateTable:
         )
 
     def record_sampled(self, metadata: SamplingMetadata, sampled: torch.Tensor,
-                       emitted: torch.Tensor | None = None) -> None:
+                       counted: torch.Tensor | None = None) -> None:
         """Adds a step's sampled tokens to their rows' output counts and seen-token masks (on the
-        device), where some row of the step reads them; the other rows never do. ``emitted`` [B]
-        bool: which entries of ``sampled`` count (speculative decoding: a rejected draft's
-        position emits nothing); None: all."""
+        device), where some row of the step reads them; the other rows never do. ``counted`` [B]
+        bool: which entries add to the output counts (None: all); an entry left out must repeat a
+        token that a counted entry of its row records (it marks that token seen again). Speculative
+        decoding leaves out the positions after a rejected draft, which emit nothing."""
         if metadata.no_penalties:
             return
-        flat = metadata.rows * self.vocab_size + sampled.clamp(min=0)
+        flat = metadata.rows * self.vocab_size + sampled
         if metadata.output_token_counts is not None:
-            ones = torch.ones_like(flat, dtype=torch.int32) if emitted is None else emitted.to(torch.int32)
+            ones = torch.ones_like(flat, dtype=torch.int32) if counted is None else counted.to(torch.int32)
             self.output_counts.view(-1).scatter_add_(0, flat, ones)
         if metadata.seen_token_mask is not None:
-            if emitted is None:
-                self.seen_mask.view(-1).index_fill_(0, flat, True)
-            else:  # seen |= emitted, entry by entry
-                self.seen_mask.view(torch.uint8).view(-1).scatter_reduce_(0, flat, emitted.to(torch.uint8), "amax")
+            self.seen_mask.view(-1).index_fill_(0, flat, True)

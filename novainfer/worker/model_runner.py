@@ -719,13 +719,15 @@ class ModelRunner:
         is_greedy = metadata.is_greedy[index[:, 0]]
         out = rejection_sample(probs[index], drafts, num_drafts_d, None, greedy_ids[index], is_greedy, uniform, noise)
         if not metadata.no_penalties:
-            # Row r (request b's position j) emitted out.token_ids[b, j] if j < out.num_tokens[b].
+            # Row r (request b's position j) emitted out.token_ids[b, j] if j < out.num_tokens[b]; a
+            # row past them repeats the request's last token, uncounted.
             request_np = np.repeat(np.arange(len(sampling)), counts)
             position_np = np.arange(int(counts.sum())) - np.repeat(starts, counts)
             request, position = (torch.from_numpy(a).to(self.device, non_blocking=True)
                                  for a in (request_np, position_np))
-            self.sampling_table.record_sampled(metadata, out.token_ids[request, position],
-                                               position < out.num_tokens[request])
+            emitted = position < out.num_tokens[request]
+            last = torch.minimum(position, out.num_tokens[request] - 1)
+            self.sampling_table.record_sampled(metadata, out.token_ids[request, last], emitted)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # Of each emitted token, at its position, from the raw distribution (as without speculation).
