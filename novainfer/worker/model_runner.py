@@ -31,7 +31,8 @@ from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.model_loader import load_model
 from novainfer.models.compile import compile_model
 from novainfer.sample import Sampler, SamplingStateTable
-from novainfer.sample.rejection_sampler import add_preceding_drafts, rejection_sample
+from novainfer.sample.metadata import SamplingMetadata
+from novainfer.sample.rejection_sampler import RejectionSamplerOutput, add_preceding_drafts, rejection_sample
 from novainfer.sample.sampler import (LogprobsTensors, apply_min_tokens, apply_penalties, exponential_draws,
                                       gather_logprobs, sampling_probs)
 from novainfer.sampling_params import SamplingParams
@@ -719,21 +720,24 @@ class ModelRunner:
         is_greedy = metadata.is_greedy[index[:, 0]]
         out = rejection_sample(probs[index], drafts, num_drafts_d, None, greedy_ids[index], is_greedy, uniform, noise)
         if not metadata.no_penalties:
-            # Row r (request b's position j) emitted out.token_ids[b, j] if j < out.num_tokens[b]; a
-            # row past them repeats the request's last token, uncounted.
-            request_np = np.repeat(np.arange(len(sampling)), counts)
-            position_np = np.arange(int(counts.sum())) - np.repeat(starts, counts)
-            request, position = (torch.from_numpy(a).to(self.device, non_blocking=True)
-                                 for a in (request_np, position_np))
-            emitted = position < out.num_tokens[request]
-            last = torch.minimum(position, out.num_tokens[request] - 1)
-            self.sampling_table.record_sampled(metadata, out.token_ids[request, last], emitted)
+            self._record_emitted(metadata, out, counts)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # Of each emitted token, at its position, from the raw distribution (as without speculation).
             logprobs = gather_logprobs(full_logits[index.flatten()].log_softmax(dim=-1),
                                        out.token_ids.clamp(min=0).flatten(), metadata.max_num_logprobs)
         return SampledStep.start_copy(sampling, out.token_ids, logprobs, out.num_tokens)
+
+    def _record_emitted(self, metadata: SamplingMetadata, out: RejectionSamplerOutput, counts: np.ndarray) -> None:
+        """Adds a verification step's emitted tokens to the penalty state. Row r of the step (request
+        b's position j, ``counts[b]`` positions each) emitted out.token_ids[b, j] if j <
+        out.num_tokens[b]; a row past them repeats the request's last token, uncounted."""
+        request_np = np.repeat(np.arange(len(counts)), counts)
+        position_np = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        request, position = (torch.from_numpy(a).to(self.device, non_blocking=True) for a in (request_np, position_np))
+        num_tokens = out.num_tokens[request]
+        last = torch.minimum(position, num_tokens - 1)
+        self.sampling_table.record_sampled(metadata, out.token_ids[request, last], position < num_tokens)
 
     @staticmethod
     def _fetch(step: SampledStep) -> ModelRunnerOutput:
