@@ -185,7 +185,7 @@ def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_dr
     stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]], [
         [logprobs[t] for t in (21, 99, 23, 30)], None])
     assert stopped.new_token_ids == [21, 99] and stopped.finish_reason == "stop" and stopped.stop_reason == 99
-    assert stopped.new_logprobs == [logprobs[21], logprobs[99]]  # those of the dropped tokens too are dropped
+    assert stopped.new_logprobs == [logprobs[21], logprobs[99]]  # the dropped tokens' logprobs are dropped too
     assert went_on.new_token_ids == [21, 30] and went_on.finish_reason is None
     # Prompt 5 + 3 outputs known; the newest (30) is not computed yet, nor the rejected drafts.
     assert going_on.all_token_ids == [10, 11, 12, 13, 14, 20, 21, 30] and going_on.num_computed_tokens == 7
