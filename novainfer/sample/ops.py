@@ -147,11 +147,30 @@ def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys
         NOISE=keys is not None, LSE=with_lse,
         # No fused multiply-adds, so that penalized logits round as torch's separate operations do.
         enable_fp_fusion=False, num_warps=8)
-    tokens = best_token.gather(1, best_score.argmax(dim=1, keepdim=True)).squeeze(1)
-    if not with_lse:
-        return tokens, None
-    row_max = chunk_max.amax(dim=1, keepdim=True)
-    return tokens, row_max.squeeze(1) + torch.log((chunk_sum * torch.exp(chunk_max - row_max)).sum(dim=1))
+    tokens = torch.empty(batch_size, dtype=torch.int64, device=device)
+    lse = torch.empty(batch_size, dtype=torch.float32, device=device) if with_lse else best_score
+    _combine_chunks_kernel[(batch_size,)](best_score, best_token, chunk_max, chunk_sum, num_chunks, tokens, lse,
+                                          CHUNKS=triton.next_power_of_2(num_chunks), LSE=with_lse)
+    return tokens, lse if with_lse else None
+
+
+@triton.jit
+def _combine_chunks_kernel(best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_sum_ptr, num_chunks, tokens_ptr,
+                           lse_ptr, CHUNKS: tl.constexpr, LSE: tl.constexpr):
+    """A row's token and log-sum-exp from its chunks' (one launch rather than a few torch ops)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNKS)
+    valid = chunks < num_chunks
+    scores = tl.load(best_score_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
+    # The first chunk of the best score holds the lowest id among equal best scores.
+    _, best = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(tokens_ptr + row, tl.load(best_token_ptr + row * num_chunks + best))
+    if LSE:
+        maxima = tl.load(chunk_max_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
+        sums = tl.load(chunk_sum_ptr + row * num_chunks + chunks, mask=valid, other=0.0)
+        row_max = tl.max(maxima, axis=0)
+        total = tl.sum(tl.where(maxima > float("-inf"), sums * tl.exp(maxima - row_max), 0.0), axis=0)
+        tl.store(lse_ptr + row, row_max + tl.log(total))
 
 
 def _as_bytes(mask: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:

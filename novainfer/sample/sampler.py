@@ -223,7 +223,8 @@ def sampled_token_ranks(logits: torch.Tensor, sampled_logits: torch.Tensor, top_
 
 
 class Sampler(nn.Module):
-    """Turns [B, V] logits into one token per row, following SamplingMetadata."""
+    """Turns [B, V] logits (any float dtype; the arithmetic is float32) into one token per row,
+    following SamplingMetadata."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         batch_size = metadata.temperature.shape[0]
