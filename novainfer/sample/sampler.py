@@ -78,8 +78,11 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
 
 
 def apply_penalties_and_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """The logits a step draws from, before temperature and truncation."""
-    logits = apply_min_tokens(logits, metadata)
+    """The logits a step draws from, before temperature and truncation: float32 where a stage
+    changes them, else the caller's tensor (any float dtype)."""
+    if metadata.min_tokens_mask is None and metadata.no_penalties:
+        return logits
+    logits = apply_min_tokens(logits.to(torch.float32), metadata)
     return logits if metadata.no_penalties else apply_penalties(logits, metadata)
 
 
@@ -241,7 +244,7 @@ class Sampler(nn.Module):
             sampled, lse = draw_whole_vocabulary(logits, metadata, step_noise_keys(metadata),
                                                  with_lse=metadata.max_num_logprobs is not None)
         else:
-            sampled = self._sample(apply_penalties_and_min_tokens(logits.to(torch.float32), metadata), metadata)
+            sampled = self._sample(apply_penalties_and_min_tokens(logits, metadata), metadata)
         # Logprobs describe the model's own distribution (vLLM v1's default "raw" mode).
         logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -250,6 +253,8 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        # Logits in any float dtype: argmax and top-k read them as they are (a float32 copy of the
+        # whole vocabulary would be a pass of its own), the arithmetic is float32.
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         if metadata.all_greedy:
             return greedy
@@ -261,12 +266,13 @@ class Sampler(nn.Module):
             # (sorted, as top-p needs) rather than sorting the whole vocabulary. A temperature
             # keeps a row's order, so it only needs to scale the candidates.
             logits, token_ids = logits.topk(min(metadata.max_top_k, logits.shape[-1]), dim=-1)
+            logits = logits.to(torch.float32)
             top_p = None if metadata.no_top_p else metadata.top_p
             probs = _min_p_probs(mask_sorted_top_k_top_p(logits / metadata.temperature.unsqueeze(1), metadata.top_k,
                                                          top_p), metadata)
         else:
             token_ids = torch.arange(logits.shape[-1], device=logits.device)
-            probs = sampling_probs(logits, metadata)
+            probs = sampling_probs(logits.to(torch.float32), metadata)
         choice = random_sample(probs, exponential_draws(probs, token_ids, metadata))
         sampled = choice if token_ids.dim() == 1 else token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
         if greedy is None:
