@@ -675,7 +675,8 @@ class ModelRunner:
         else:
             metadata = self.sampling_table.gather(np.fromiter((s.row for s in sampling), np.int64, len(sampling)),
                                                   np.asarray(num_outputs, dtype=np.int64))
-            out = self.sampler(self._full_logits(head_output).float(), metadata)
+            # In the model's dtype: the sampler reads them as they are (no float32 copy on its fused path).
+            out = self.sampler(self._full_logits(head_output), metadata)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
             self.sampling_table.record_sampled(metadata, sampled)
         return SampledStep.start_copy(sampling, sampled, logprobs)
