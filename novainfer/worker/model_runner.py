@@ -725,8 +725,8 @@ class ModelRunner:
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # Of each emitted token, at its position, from the raw distribution (as without speculation).
-            logprobs = gather_logprobs(full_logits[index.flatten()].log_softmax(dim=-1),
-                                       out.token_ids.clamp(min=0).flatten(), metadata.max_num_logprobs)
+            logprobs = gather_logprobs(full_logits[index.flatten()], out.token_ids.clamp(min=0).flatten(),
+                                       metadata.max_num_logprobs)
         return SampledStep.start_copy(sampling, out.token_ids, logprobs, out.num_tokens)
 
     def _record_emitted(self, metadata: SamplingMetadata, out: RejectionSamplerOutput, counts: np.ndarray) -> None:
