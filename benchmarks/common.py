@@ -256,6 +256,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the embedding and LM head over the vocabulary (default: replicated)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step before the previous one's tokens reach the host (default: on GPUs)")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (default: off)')
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s JSON object (its keys are checked when the engine starts)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -266,7 +280,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               "tensor_parallel_size": args.tensor_parallel_size,
               "distributed_executor_backend": args.distributed_executor_backend,
               "disable_custom_all_reduce": args.disable_custom_all_reduce,
-              "enable_vocab_parallel": args.enable_vocab_parallel, "async_scheduling": args.async_scheduling}
+              "enable_vocab_parallel": args.enable_vocab_parallel, "async_scheduling": args.async_scheduling,
+              "speculative_config": args.speculative_config}
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     return kwargs

@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target.add_argument("--api-key", default=None)
     target.add_argument("--server-args", default="",
                         help="extra flags for the started server, e.g. '--max-num-seqs 64 --device cuda'")
+    target.add_argument("--server-log", default=None, metavar="PATH",
+                        help="run the started server at log level DEBUG and write its output here after the "
+                             "sweep (the engine core's line per step: batch, prompt and decode tokens, step ms)")
     add_model_arguments(p)
     load = p.add_argument_group("workload")
     load.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -379,11 +382,12 @@ def server_flags(args: argparse.Namespace, device: str) -> list[str]:
     return flags + shlex.split(args.server_args)
 
 
-def start_server(model_dir: str, server_args: list[str], api_key: str | None) -> tuple[ServerProcess, list[str]]:
+def start_server(model_dir: str, server_args: list[str], api_key: str | None,
+                 log_level: str | None = None) -> tuple[ServerProcess, list[str]]:
     """The server and its command line as recorded in the results (paths scrubbed, no port)."""
     argv = [model_dir, *server_args, "--disable-log-requests"] + (["--api-key", api_key] if api_key else [])
     public_argv = ["serve", scrub_path(model_dir), *server_args, "--disable-log-requests"]
-    return ServerProcess(argv, startup_timeout=600, cwd=REPO_ROOT), public_argv
+    return ServerProcess(argv, startup_timeout=600, cwd=REPO_ROOT, log_level=log_level), public_argv
 
 
 def served_engine_args(model_dir: str, server_args: list[str]) -> EngineArgs:
@@ -463,10 +467,13 @@ def measure_started_server(args: argparse.Namespace, prompts: list[str]) -> Meas
     model_dir, tag, model_info = resolve_model_args(args, resolved)
     flags = server_flags(args, resolved.type)
     engine_args = served_engine_args(model_dir, flags)
-    server_process, public_argv = start_server(model_dir, flags, args.api_key)
+    server_process, public_argv = start_server(model_dir, flags, args.api_key,
+                                               log_level="DEBUG" if args.server_log else None)
     with server_process as server:
         model = args.model_name or first_model(server.base_url, args.api_key)
         runs = run_sweep(args, server.base_url, model, prompts)
+        if args.server_log:
+            Path(args.server_log).write_text(server.log())
     measured = Measurement(resolved.type, tag, runs, model_info, shlex.join(["novainfer", *public_argv]))
     if args.offline_companion:
         reference = compared_rate_index(args.request_rates)

@@ -11,15 +11,23 @@ final norm; staging the step's inputs and the LM head are not timed) is run ``--
 * ``device_ms`` (CUDA): the sum of the kernels' durations per step, from torch.profiler;
 * ``aten_ops``/``kernel_launches`` per step and per layer, from torch.profiler (the profiled
   steps are separate from the timed ones);
-* ``wall_over_device``: the target of an eager step is at most 2.
+* ``wall_over_device``: the target of an eager step is at most 2;
+* ``host_profile``: where the host time goes, from cProfile over ``--profile-steps`` more steps
+  (its own overhead inflates the times, not their order): the functions with the most self time,
+  and the project's functions (layers, kernels' wrappers) with the most cumulative time, per step
+  and per layer.
 
     python benchmarks/step_time.py                                  # tiny model on CPU
     python benchmarks/step_time.py --arch qwen2-0.5b --batch-size 256 --context 512
+    python benchmarks/step_time.py --arch qwen2-0.5b --plain-triton-launches   # kernel[grid] launches, to compare
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -46,10 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     w.add_argument("--compile", default="both", choices=["off", "on", "both"],
                    help="compilation_level 0, 1 or both, one after the other")
+    w.add_argument("--plain-triton-launches", action="store_true",
+                   help="launch the Triton kernels through kernel[grid] (JITFunction.run) instead of directly")
     r = p.add_argument_group("runs")
     r.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens in these)")
     r.add_argument("--steps", type=int, default=30, help="timed steps; medians are reported")
-    r.add_argument("--profile-steps", type=int, default=5, help="steps under torch.profiler (op and kernel counts)")
+    r.add_argument("--profile-steps", type=int, default=5,
+                   help="steps under torch.profiler (op and kernel counts), then as many under cProfile")
+    r.add_argument("--host-top", type=int, default=15, help="functions listed in each host-time table")
     add_output_arguments(p, "step_time_<device>_<model>_b<batch>")
     args = p.parse_args(argv)
     if min(args.batch_size, args.context, args.steps, args.profile_steps) < 1 or args.warmup < 1:
@@ -89,6 +101,48 @@ def _profile(forward, steps: int, device, num_layers: int) -> dict[str, Any]:
     return result
 
 
+def _function_name(key: tuple[str, int, str]) -> str:
+    """``path:line(function)`` with the path from the package (or site-packages) down; builtins as named."""
+    path, line, function = key
+    if path == "~":
+        return function
+    for marker in ("site-packages/", "novainfer/", "benchmarks/"):
+        if marker in path:
+            path = (marker if marker != "site-packages/" else "") + path.split(marker, 1)[1]
+            break
+    return f"{scrub_path(path)}:{line}({function})"
+
+
+def _host_profile(forward, steps: int, num_layers: int, top: int) -> dict[str, list[dict[str, Any]]]:
+    """cProfile of ``steps`` calls of ``forward``: the ``top`` functions by self time, and the ``top``
+    functions of the project by cumulative time (ms per step and per layer, calls per step)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        forward()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (path, line, function) -> (calls, ncalls, self s, cumulative s, _)
+
+    def rows(keys, column: int) -> list[dict[str, Any]]:
+        ranked = sorted(keys, key=lambda k: stats[k][column], reverse=True)[:top]
+        return [{"function": _function_name(k), "ms_per_step": round(1e3 * stats[k][column] / steps, 3),
+                 "ms_per_layer": round(1e3 * stats[k][column] / steps / num_layers, 4),
+                 "calls_per_step": round(stats[k][1] / steps, 1)} for k in ranked]
+
+    ours = [k for k in stats if "novainfer" in k[0]]
+    return {"self_time": rows(stats, 2), "project_cumulative_time": rows(ours, 3)}
+
+
+def _triton_launches(plain: bool):
+    """Kernel launches through ``kernel[grid]`` when ``plain`` (imported only then: trees from before
+    the direct launcher are measured as they are)."""
+    if not plain:
+        return contextlib.nullcontext()
+    from novainfer.layers.ops.launcher import direct_launches
+
+    return direct_launches(False)
+
+
 def run_variant(args, model_dir: str, device, compilation_level: int) -> dict[str, Any]:
     import torch
 
@@ -116,7 +170,7 @@ def run_variant(args, model_dir: str, device, compilation_level: int) -> dict[st
 
     host, wall = [], []
     first_s = None
-    with torch.inference_mode():
+    with torch.inference_mode(), _triton_launches(args.plain_triton_launches):
         for i in range(args.warmup + args.steps):
             _synchronize(device)
             t0 = time.perf_counter()
@@ -130,11 +184,13 @@ def run_variant(args, model_dir: str, device, compilation_level: int) -> dict[st
                 host.append(t1 - t0)
                 wall.append(t2 - t0)
         profiled = _profile(forward, args.profile_steps, device, runner.model_config.num_layers)
+        host_profile = _host_profile(forward, args.profile_steps, runner.model_config.num_layers, args.host_top)
+        _synchronize(device)
     compiled = getattr(getattr(model, "model", None), "compiled_forward", None)
     result = {"compilation_level": compilation_level, "load_s": round(load_s, 2), "first_step_s": round(first_s, 3),
               "compilations": compiled.num_compilations if compiled is not None else 0,
               "host_ms": round(1e3 * statistics.median(host), 3), "wall_ms": round(1e3 * statistics.median(wall), 3),
-              **profiled}
+              **profiled, "host_profile": host_profile}
     if result["device_ms"]:
         result["wall_over_device"] = round(result["wall_ms"] / result["device_ms"], 2)
     return result
@@ -161,6 +217,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{r['compilation_level']:>5} {r['first_step_s']:>8.2f} {r['host_ms']:>8.2f} {r['wall_ms']:>8.2f} "
               f"{r['device_ms'] or float('nan'):>9.3f} {r.get('wall_over_device', float('nan')):>8.2f} "
               f"{r['aten_ops_per_layer']:>10.1f} {r['kernel_launches_per_layer'] or float('nan'):>12.1f}")
+    for r in rows:
+        for table, column in (("self_time", "self"), ("project_cumulative_time", "cumulative")):
+            print(f"\nlevel {r['compilation_level']}: host time by {column} time under cProfile "
+                  f"(ms per step, ms per layer, calls per step)")
+            for row in r["host_profile"][table]:
+                print(f"{row['ms_per_step']:>9.3f} {row['ms_per_layer']:>8.4f} {row['calls_per_step']:>8.1f}  "
+                      f"{row['function']}")
     facts = run_facts(device, load_at_start, argv, __file__)
     results = {
         "benchmark": "eager decode step: host time against device kernel time, with and without torch.compile",
@@ -168,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": summary,
         **facts,
         "workload": {"batch_size": args.batch_size, "context": args.context, "block_size": args.block_size,
+                     "triton_launches": "plain" if args.plain_triton_launches else "direct",
                      "dtype": args.dtype, "warmup_steps": args.warmup, "timed_steps": args.steps,
                      "profiled_steps": args.profile_steps, "timed": "model forward only (no staging, no LM head)"},
         "variants": rows,

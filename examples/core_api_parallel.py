@@ -44,7 +44,8 @@ def main() -> None:
     if args.check:
         difference = max(float((decode_alone(model, prompt + tokens)[-1] - last_rows[seq]).abs().max())
                          for seq, tokens in enumerate(outputs))
-        report_check("each continuation against its decode alone", difference)
+        report_check("each continuation against its decode alone", difference,
+                     scale=float(last_rows.abs().max()), dtype=model.dtype)
 
 
 if __name__ == "__main__":

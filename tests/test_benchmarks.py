@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import latency, throughput
+from benchmarks import latency, spec_decode, throughput
 from benchmarks.architectures import ARCHITECTURES, get_architecture, hf_config
 
 
@@ -87,3 +87,45 @@ def test_latency_times_both_sides(tmp_path):
         for run in side["runs"]:
             assert run["num_tokens"] == 6 and 0 < run["ttft_s"] < run["total_s"]
     assert results["peer"]["greedy_outputs_identical"]
+
+
+def test_spec_decode_benchmark_reports_the_acceptance_of_each_figure(tmp_path):
+    """Both modes on the tiny model whose greedy outputs repeat themselves: outputs with speculation
+    equal those without, and each decode figure's acceptance equals a recount from those outputs
+    (the drafts the reference n-gram search proposes, accepted while they agree with them) over the
+    timed runs only (a warm-up run comes first)."""
+    from novainfer import LLM, SamplingParams
+    from tests.test_spec_decode import recount_speculation
+
+    k, max_n, output_len = 3, 2, 12
+    args = ["--tiny-config", '{"std": 0.1}', "--batch-sizes", "1", "2", "--input-len", "10", "--passage-len", "4",
+            "--output-len", str(output_len), "--repeats", "1", "--warmup", "1", "--num-seqs", "4", "--min-input", "5",
+            "--max-input", "20", "--min-output", "3", "--max-output", "10", "--speculative-config",
+            f'{{"method": "ngram", "num_speculative_tokens": {k}, "prompt_lookup_max": {max_n}}}',
+            "--results-dir", str(tmp_path), "--output", "run"]
+    results = spec_decode.main(args)
+    assert json.loads((tmp_path / "run.json").read_text()) == results
+    assert results["command"].startswith("python benchmarks/spec_decode.py --tiny-config")
+    parsed = spec_decode.parse_args(args)
+    model_dir = results["model"]["path"].replace("~", str(__import__("pathlib").Path.home()), 1)
+    llm = LLM(model_dir)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    for b in (1, 2):
+        figure = results["decode"]["figures"][f"batch_{b}"]
+        assert figure["greedy_outputs_identical"] and figure["off"]["draft_tokens"] == 0
+        prompts = spec_decode.decode_prompts(parsed, results["model"]["vocab_size"], b)
+        assert all(p[:4] * 3 == p[:12] or len(p) < 12 for p in prompts)  # a repeated passage
+        outputs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                use_tqdm=False)]
+        drafts, draft_tokens, accepted, per_pos = recount_speculation(prompts, outputs, k, max_n, output_len)
+        on = figure["on"]
+        assert (on["drafts"], on["draft_tokens"], on["accepted_tokens"]) == (drafts, draft_tokens, accepted)
+        assert on["acceptance_rate"] == figure["acceptance_rate"] == round(accepted / draft_tokens, 4)
+        assert on["acceptance_rate_per_position"] == [round(n / drafts, 4) for n in per_pos]
+        # Timings: present (their values depend on the machine's load, e.g. a prefill run slower than the whole).
+        assert all(isinstance(side["ms_per_token"], float) for side in (on, figure["off"]))
+    tput = results["throughput"]
+    assert tput["greedy_outputs_identical"] and tput["workload"]["num_seqs"] == 4
+    assert tput["on"]["output_tokens"] == tput["off"]["output_tokens"] == tput["workload"]["total_output_tokens"]
+    assert tput["on"]["draft_tokens"] > 0 and tput["off"]["draft_tokens"] == 0
+    assert tput["on"]["engine"]["speculative_config"]["num_speculative_tokens"] == k

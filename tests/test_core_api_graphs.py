@@ -5,8 +5,9 @@ table of each sequence's cells, through the reference backend (which takes the p
 captured step as the Triton one does). So these tests check which batches take the graph path,
 the padding, and the upkeep of the cell table (appended by the graph itself, brought up to date
 after eager decodes and every ``kv_seq_*`` operation, left alone by failed decodes) against a
-model that runs every batch eagerly: the logits of both must agree (1e-5 absolute, float32; the
-two run the same arithmetic in batches of different sizes, padding rows included).
+model that runs every batch eagerly: the logits of both must agree (1e-4 absolute, float32; the
+two run the same arithmetic in batches of different sizes, padding rows included, which a CPU's BLAS
+may round differently: 2.3e-5 was seen on one machine, where a wrong row is off by O(1)).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from novainfer.worker.cuda_graphs import GraphKey, StepGraphs
 from tests.core_api_utils import decode_seqs
 from tests.utils import hf_logits, random_ids, tiny_model
 
-ATOL = 1e-5
+ATOL = 1e-4
 N_SEQ_MAX = 6
 MAX_GRAPH_BATCH = 4
 

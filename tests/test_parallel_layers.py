@@ -344,6 +344,60 @@ def test_qkv_rejects_unknown_shard_id():
         layer.weight.weight_loader(layer.weight, traceable(NUM_HEADS * HEAD_DIM, HIDDEN), "o")
 
 
+# ---- the matmul of every linear layer ----------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_is_bitwise_f_linear_and_follows_weight_changes(cls, bias, dtype):
+    """The layers skip F.linear's dispatch for 2-D inputs (a cached transposed view of the weight):
+    the outputs must be F.linear's to the bit, also after the weight's storage is swapped. (A
+    row-parallel bias is added after the all-reduce, so there it is F.linear without it, plus it.)"""
+    gen = torch.Generator().manual_seed(11)
+    layer = cls(48, 40, bias=bias, params_dtype=dtype, tp_group=group(1, 0), prefix="proj")
+    layer.weight.data.copy_(torch.randn(40, 48, generator=gen))
+    if bias:
+        layer.bias.data.copy_(torch.randn(40, generator=gen))
+
+    def expected(x):
+        if cls is RowParallelLinear and bias:
+            return F.linear(x, layer.weight) + layer.bias
+        return F.linear(x, layer.weight, layer.bias)
+
+    for x in (torch.randn(7, 48, generator=gen).to(dtype), torch.randn(2, 3, 48, generator=gen).to(dtype)):
+        assert torch.equal(layer(x), expected(x))
+    x = torch.randn(7, 48, generator=gen).to(dtype)
+    layer(x)  # the transposed view is cached now
+    layer.weight.data = torch.randn(40, 48, generator=gen).to(dtype)  # a new storage, as .to() makes
+    assert torch.equal(layer(x), expected(x))
+    layer.weight.data.mul_(-2)  # in place, as the weight loader writes
+    assert torch.equal(layer(x), expected(x))
+    layer.double()
+    assert torch.equal(layer(x.double()), expected(x.double()))
+
+
+def test_linear_dispatches_one_matmul_per_call():
+    """The per-call cost the cached view removes: a linear layer on [T, in] is one aten op (no
+    ``t``/``transpose`` of the weight per call, as F.linear has)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(5, 12)
+    for layer, op in ((ColumnParallelLinear(12, 8, bias=True, tp_group=group(1, 0)), "addmm.default"),
+                      (RowParallelLinear(12, 8, reduce_results=False, tp_group=group(1, 0)), "mm.default")):
+        layer(x)
+        with Recorder() as recorder:
+            layer(x)
+        assert recorder.ops == [op]
+
+
 # ---- row parallel -------------------------------------------------------------------------------
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_row_parallel_shards_input_dim_bias_replicated(tp):

@@ -151,5 +151,5 @@ def test_logprobs_travel_with_their_token(logprobs):
     scheduler = make_scheduler()
     add(scheduler, "a", 4, max_tokens=1, ignore_eos=True)
     _, (rids, tokens) = FakeRunner().schedule(scheduler)
-    [out] = scheduler.update_from_output(rids, tokens, [logprobs])
+    [out] = scheduler.update_from_output(rids, tokens, [None if logprobs is None else [logprobs]])
     assert out.new_logprobs == (None if logprobs is None else [logprobs])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -39,7 +40,7 @@ def sweep(tmp_path_factory) -> tuple[dict, object]:
     report = serve.main(["--device", "cpu", "--dataset", str(dataset), "--num-prompts", str(len(TEXTS)),
                          "--max-input-tokens", str(MAX_WORDS), "--output-len", str(OUTPUT_LEN),
                          "--request-rates", "inf,50", "--offline-companion", "--offline-repeats", "2", "--client-processes", "2",
-                         "--results-dir", str(out), "--output", "run"])
+                         "--server-log", str(out / "server.log"), "--results-dir", str(out), "--output", "run"])
     return report, out
 
 
@@ -101,6 +102,14 @@ def test_client_cpu_time_is_within_what_the_machine_allows(sweep):
         # The busiest of the two carries at least half and at most all of the total.
         busiest = cpu["busiest_process_fraction_of_wall"]
         assert cpu["fraction_of_wall"] / 2 - 0.001 <= busiest <= cpu["fraction_of_wall"] + 0.001
+
+
+def test_server_log_holds_the_engine_cores_steps(sweep):
+    """Every served token after a request's first comes from a decode step the core logged."""
+    _, out = sweep
+    steps = re.findall(r"novainfer\.engine\.core: step \d+: .*decode_tokens=(\d+)", (out / "server.log").read_text())
+    served_requests = 2 * len(TEXTS)  # two rates
+    assert sum(int(n) for n in steps) >= served_requests * (OUTPUT_LEN - 1)
 
 
 def test_offline_companion_generates_what_was_served(sweep):

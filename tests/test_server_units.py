@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import threading
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from novainfer.entrypoints.cli.serve import server_config_from
 from novainfer.entrypoints.openai.admission import AdmissionController, AdmissionLimits
 from novainfer.entrypoints.openai.api_server import build_app
 from novainfer.entrypoints.openai.errors import OpenAIError
-from novainfer.entrypoints.openai.served_models import ModelRegistry
+from novainfer.entrypoints.openai.served_models import INLINE_TOKENIZER_SIZE, ModelRegistry, ServedModel
 from novainfer.entrypoints.openai.sessions import SessionStore
 from novainfer.sampling_params import RequestOutputKind
 from tests.test_server_support import metric_value
@@ -354,3 +355,23 @@ def test_serve_exits_nonzero_when_a_model_cannot_load(tmp_path):
                            "--port", str(free_port())], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "config.json" in proc.stderr and "Traceback" not in proc.stderr.split("loading the models failed")[0]
+
+
+def test_small_tokenizer_work_runs_on_the_loop_and_long_work_on_the_tokenizer_thread():
+    """A short prompt is encoded at once (a hand-off to a thread waits for the GIL behind the busy
+    loop); a long one goes to the tokenizer thread so that the loop keeps serving streams."""
+    model = ServedModel("m", engine=None, tokenizer=None, max_model_len=8, vocab_size=8)
+
+    async def threads_used() -> tuple[str, str]:
+        def where(text: str) -> str:
+            return f"{threading.current_thread().name}:{len(text)}"
+        small, large = "x" * INLINE_TOKENIZER_SIZE, "x" * (INLINE_TOKENIZER_SIZE + 1)
+        return (await model.run_tokenizer(where, small, size=len(small)),
+                await model.run_tokenizer(where, large, size=len(large)))
+
+    try:
+        small, large = asyncio.run(threads_used())
+    finally:
+        model.tokenizer_thread.shutdown()
+    assert small == f"{threading.main_thread().name}:{INLINE_TOKENIZER_SIZE}"
+    assert large.startswith("novainfer-tokenizer") and large.endswith(f":{INLINE_TOKENIZER_SIZE + 1}")

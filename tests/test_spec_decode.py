@@ -10,7 +10,9 @@ rejected; so both the accepting and the rejecting paths run (each test checks th
 from __future__ import annotations
 
 import functools
+import logging
 import random
+import re
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.sched.request import Request
 from novainfer.core.sched.scheduler import Scheduler, SchedulerConfig
 from novainfer.engine.arg_utils import EngineArgs
+from tests.test_spec_decode_parts import reference_ngram
 from tests.test_step_graphs import emulated_graphs  # noqa: F401 (a fixture)
 from tests.utils import SMALL_KV, hf_greedy, hf_logits, random_ids, tiny_model
 
@@ -178,8 +181,11 @@ def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_dr
     assert so.num_scheduled_tokens == {"stops": 5, "goes-on": 5}
     assert so.scheduled_spec_decode_tokens == {"stops": [21, 99, 23, 24], "goes-on": [21, 99, 23, 24]}
     going_on = scheduler.requests["goes-on"]
-    stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]])
+    logprobs = {token: ([token], [-0.5], 1) for token in (21, 99, 23, 30)}
+    stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]], [
+        [logprobs[t] for t in (21, 99, 23, 30)], None])
     assert stopped.new_token_ids == [21, 99] and stopped.finish_reason == "stop" and stopped.stop_reason == 99
+    assert stopped.new_logprobs == [logprobs[21], logprobs[99]]  # the dropped tokens' logprobs are dropped too
     assert went_on.new_token_ids == [21, 30] and went_on.finish_reason is None
     # Prompt 5 + 3 outputs known; the newest (30) is not computed yet, nor the rejected drafts.
     assert going_on.all_token_ids == [10, 11, 12, 13, 14, 20, 21, 30] and going_on.num_computed_tokens == 7
@@ -273,13 +279,61 @@ def test_unsupported_combinations_are_refused():
                    speculative_config=ngram(2)).create_engine_config()
 
 
-@pytest.mark.parametrize("params, field", [(dict(logprobs=1), "logprobs"), (dict(presence_penalty=0.5),
-                                           "presence_penalty"), (dict(repetition_penalty=1.1), "repetition_penalty")])
-def test_unsupported_sampling_settings_raise_at_add_request(spec_model_dir, params, field):
-    llm = LLM(str(spec_model_dir), speculative_config=ngram(2), kv_cache_memory_bytes=SMALL_KV)
-    with pytest.raises(ValueError, match=field):
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **params), use_tqdm=False)
-    assert not llm.llm_engine.has_unfinished_requests()
+def test_greedy_logprobs_equal_those_without_speculation(spec_model_dir, prompts):
+    """Each token's logprob entries (its own, its rank, the top 3) come from the target's logits at
+    its position, accepted draft or not: the same as without speculation, to float tolerance."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, logprobs=3)
+    plain, _ = generate(spec_model_dir, prompts, params, kv_cache_memory_bytes=SMALL_KV)
+    spec, stats = generate(spec_model_dir, prompts, params, ngram(4), kv_cache_memory_bytes=SMALL_KV)
+    assert_both_paths_ran(stats)
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids and len(s.logprobs) == len(p.logprobs) == MAX_TOKENS
+        for token, p_entries, s_entries in zip(p.token_ids, p.logprobs, s.logprobs):
+            assert list(s_entries) == list(p_entries) and token in s_entries and len(s_entries) in (3, 4)
+            for token_id, entry in p_entries.items():
+                assert s_entries[token_id].rank == entry.rank
+                assert s_entries[token_id].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert s.cumulative_logprob == pytest.approx(p.cumulative_logprob, abs=1e-3)
+
+
+# Small enough that greedy outputs still repeat themselves (drafts get accepted); the frequency
+# penalty changes with every draft a row counts, so a verifier that scored every draft with the
+# counts of the step's start would give other tokens (the presence and repetition penalties of a
+# draft copied from the request's own tokens rarely or never change; their per-row state is checked
+# on its own in test_spec_decode_parts).
+def test_sampled_logprobs_are_the_targets_at_each_position(spec_model_dir, prompts):
+    """Seeded sampling (near-greedy, so that drafts get accepted) with speculation: each token's
+    logprob is transformers' log-softmax at its position, and the top entries are its best tokens."""
+    params = [SamplingParams(temperature=0.05, seed=seed, ignore_eos=True, max_tokens=16, logprobs=2)
+              for seed in range(3)]
+    completions, stats = generate(spec_model_dir, prompts[:3], params, ngram(3), kv_cache_memory_bytes=SMALL_KV)
+    assert stats.spec_decode_num_accepted_tokens_total > 0
+    for prompt, completion in zip(prompts[:3], completions):
+        logits = hf_logits(spec_model_dir, prompt + completion.token_ids)
+        want = logits[len(prompt) - 1:-1].float().log_softmax(dim=-1)
+        for i, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert entries[token].logprob == pytest.approx(float(want[i, token]), abs=1e-4)
+            top = want[i].topk(2).indices.tolist()
+            assert set(top) <= set(entries) and entries[top[0]].rank == 1
+
+
+PENALTIES = {
+    "frequency": dict(frequency_penalty=0.1),
+    "presence": dict(presence_penalty=0.3),
+    "repetition": dict(repetition_penalty=1.2),
+    "all": dict(frequency_penalty=0.05, presence_penalty=0.3, repetition_penalty=1.05),
+}
+
+
+@pytest.mark.parametrize("penalty", list(PENALTIES))
+def test_greedy_with_penalties_equals_the_run_without_speculation(spec_model_dir, prompts, penalty):
+    """A draft at position j is scored with the penalty state counting the drafts before it (the
+    tokens it follows when it is used): greedy outputs stay those without speculation."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, **PENALTIES[penalty])
+    plain, _ = generate(spec_model_dir, prompts, params, kv_cache_memory_bytes=SMALL_KV)
+    spec, stats = generate(spec_model_dir, prompts, params, ngram(4), kv_cache_memory_bytes=SMALL_KV)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert_both_paths_ran(stats)
 
 
 def test_speculative_steps_replay_mixed_graphs(request, spec_model_dir, prompts, plain_greedy):
@@ -305,3 +359,95 @@ def test_disable_by_batch_size(spec_model_dir, prompts, plain_greedy):
     _, alone = generate(spec_model_dir, prompts[:1], params, ngram(3, disable_by_batch_size=1),
                         kv_cache_memory_bytes=SMALL_KV)
     assert alone.spec_decode_num_draft_tokens_total > 0
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+def recount_speculation(prompts: list[list[int]], outputs: list[list[int]], k: int, max_n: int,
+                        max_tokens: int) -> tuple[int, int, int, list[int]]:
+    """(drafts, draft tokens, accepted tokens, accepted tokens per position) of a greedy run, replayed
+    from its non-speculative outputs: after each step a request proposes what the reference n-gram
+    search finds in its known tokens (cut to the tokens it may still emit after the next one), and
+    accepts the drafts that agree with the output, up to the first that does not."""
+    drafts = draft_tokens = accepted = 0
+    per_pos = [0] * k
+    for prompt, output in zip(prompts, outputs):
+        known = 1  # the prefill step emits the first token
+        while known < max_tokens:
+            proposal = reference_ngram(prompt + output[:known], 1, max_n, k)[:max_tokens - known - 1]
+            num_accepted = 0
+            while num_accepted < len(proposal) and proposal[num_accepted] == output[known + num_accepted]:
+                per_pos[num_accepted] += 1
+                num_accepted += 1
+            drafts += bool(proposal)
+            draft_tokens += len(proposal)
+            accepted += num_accepted
+            known += num_accepted + 1
+    return drafts, draft_tokens, accepted, per_pos
+
+
+def test_speculation_counters_equal_a_recount_from_the_outputs(spec_model_dir, prompts, plain_greedy, caplog):
+    k, max_n = 4, 3
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    with caplog.at_level(logging.INFO, logger="novainfer.engine.core"):
+        completions, stats = generate(spec_model_dir, prompts, params, ngram(k, prompt_lookup_max=max_n),
+                                      kv_cache_memory_bytes=SMALL_KV, log_stats_interval=0.0)
+    assert [c.token_ids for c in completions] == plain_greedy()
+    drafts, draft_tokens, accepted, per_pos = recount_speculation(prompts, plain_greedy(), k, max_n, MAX_TOKENS)
+    assert 0 < accepted < draft_tokens and drafts > 0
+    assert (stats.spec_decode_num_drafts_total, stats.spec_decode_num_draft_tokens_total,
+            stats.spec_decode_num_accepted_tokens_total,
+            stats.spec_decode_num_accepted_tokens_per_pos_total) == (drafts, draft_tokens, accepted, per_pos)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("speculative decoding:")]
+    assert lines, "no speculative decoding line in the step log"
+    # log_stats_interval=0: each line covers the steps since the one before; together, the whole run.
+    logged = [tuple(int(x) for x in re.search(r"drafts=(\d+) draft_tokens=(\d+) accepted_tokens=(\d+)", line).groups())
+              for line in lines]
+    assert tuple(map(sum, zip(*logged))) == (drafts, draft_tokens, accepted)
+    rate, length = re.search(r"acceptance rate ([\d.]+)%, mean accepted length ([\d.]+)", lines[0]).groups()
+    first_drafts, first_draft_tokens, first_accepted = logged[0]
+    assert float(rate) == pytest.approx(100 * first_accepted / first_draft_tokens, abs=0.05)
+    assert float(length) == pytest.approx(1 + first_accepted / first_drafts, abs=0.005)
+
+
+def test_metrics_endpoint_exposes_the_speculation_counters(spec_model_dir, prompts):
+    """/metrics of a server whose engine speculates, parsed with prometheus_client's parser, gives the
+    engine's counters under vLLM's names (the counters themselves are checked against a recount above)."""
+    import asyncio
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from novainfer.engine.async_llm_engine import AsyncLLMEngine
+    from novainfer.entrypoints.openai.api_server import build_app
+    from novainfer.entrypoints.openai.served_models import ModelRegistry
+
+    k = 3
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV,
+                                                        speculative_config=ngram(k)), name="m", multiprocess=False)
+    app = build_app(registry=ModelRegistry.from_engines({"m": engine}))
+
+    async def main() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
+            for prompt in prompts[:3]:
+                response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24,
+                                                                      "temperature": 0, "ignore_eos": True})
+                assert response.status_code == 200
+            return (await client.get("/metrics")).text
+
+    try:
+        text = asyncio.run(main())
+        stats = engine.get_stats()
+    finally:
+        engine.shutdown()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("novainfer:spec_decode"):
+                samples[(sample.name, sample.labels.get("position"))] = sample.value
+    assert stats.spec_decode_num_accepted_tokens_total > 0
+    expected = {(f"novainfer:spec_decode_{name}_total", None): getattr(stats, f"spec_decode_{name}_total")
+                for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    expected |= {("novainfer:spec_decode_num_accepted_tokens_per_pos_total", str(i)): n
+                 for i, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos_total)}
+    assert len(stats.spec_decode_num_accepted_tokens_per_pos_total) == k
+    assert samples == expected

@@ -155,6 +155,23 @@ def test_max_tokens_and_stops_inside_an_accepted_run(spec_model_dir, prompts, pl
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_greedy_logprobs_and_penalties_equal_those_without_speculation(spec_model_dir, prompts, drafts):
+    """Logprobs and penalties are the verifier's (test_spec_decode checks them in detail): with a
+    draft model's drafts too, tokens and logprobs are those without speculation."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, logprobs=2,
+                            frequency_penalty=0.05, presence_penalty=0.3, repetition_penalty=1.05)
+    plain, _ = generate(spec_model_dir, prompts, params, kv_cache_memory_bytes=SMALL_KV)
+    spec, stats = generate(spec_model_dir, prompts, params, draft_model(drafts["first_layer"], 3),
+                           kv_cache_memory_bytes=SMALL_KV)
+    assert_acceptance(stats, "first_layer")
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids
+        for p_entries, s_entries in zip(p.logprobs, s.logprobs):
+            assert list(s_entries) == list(p_entries)
+            for token_id, entry in p_entries.items():
+                assert s_entries[token_id].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
 def test_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompts, drafts):
     inputs = [{"prompt_token_ids": p} for p in prompts[:3]]
     plain = LLM(str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV).generate(

@@ -148,3 +148,49 @@ def test_emitted_tokens_follow_the_target_distribution(one_hot):
     q = torch.nn.functional.one_hot(torch.tensor(2), vocab).double() if one_hot else draft_probs[0, 0].double()
     rate = float((out.num_accepted >= 1).double().mean())
     assert abs(rate - float(torch.minimum(target[0, 0].double(), q).sum())) < 0.01
+
+
+# ---- penalty state under speculation ---------------------------------------------------------------
+def test_penalty_state_of_each_position_counts_the_drafts_before_it():
+    """Rows of a verification step (request b's positions 0..n_b, in order) are scored with the
+    output counts and seen tokens of the request plus its drafts before that position; after the
+    step, the table counts exactly the emitted tokens. Oracle: per-row recounts with collections."""
+    from collections import Counter
+
+    import numpy as np
+
+    from novainfer.sample.rejection_sampler import add_preceding_drafts
+    from novainfer.sample.state import SamplingStateTable
+    from novainfer.sampling_params import SamplingParams
+
+    vocab = 12
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.5, repetition_penalty=1.2)
+    prompts, outputs = [[1, 2], [3], [4, 4]], [[5, 5], [], [6]]
+    drafts = [[7, 7, 5], [], [8, 9]]  # request 1 has none
+    table = SamplingStateTable(vocab, torch.device("cpu"))
+    table.add_requests([0, 1, 2], [params] * 3, prompts, outputs)
+    num_drafts = np.array([len(d) for d in drafts])
+    drafts_np = np.full((3, 3), -1, dtype=np.int64)
+    for b, d in enumerate(drafts):
+        drafts_np[b, :len(d)] = d
+    request = np.repeat(np.arange(3), num_drafts + 1)
+    position = np.concatenate([np.arange(n + 1) for n in num_drafts])
+    metadata = table.gather(request, np.array([len(outputs[b]) for b in request]) + position)
+    add_preceding_drafts(metadata, drafts_np, num_drafts)
+    for row, (b, j) in enumerate(zip(request, position)):
+        emitted = outputs[b] + drafts[b][:j]
+        counts = Counter(emitted)
+        assert metadata.output_token_counts[row].tolist() == [counts[t] for t in range(vocab)], (b, j)
+        assert metadata.seen_token_mask[row].tolist() == [t in set(prompts[b] + emitted) for t in range(vocab)]
+
+    # The step emitted request 0's first two drafts and 6, request 1's 2, request 2's 8 and 1.
+    emitted_tokens = [[7, 7, 6], [2], [8, 1]]
+    # Positions after a request's emitted tokens repeat its last one, uncounted.
+    sampled = torch.tensor([(emitted_tokens[b] + [emitted_tokens[b][-1]] * 4)[j] for b, j in zip(request, position)])
+    table.record_sampled(metadata, sampled, torch.tensor([j < len(emitted_tokens[b])
+                                                          for b, j in zip(request, position)]))
+    for b in range(3):
+        counts = Counter(outputs[b] + emitted_tokens[b])
+        assert table.output_counts[b].tolist() == [counts[t] for t in range(vocab)]
+        assert table.seen_mask[b].tolist() == [t in set(prompts[b] + outputs[b] + emitted_tokens[b])
+                                               for t in range(vocab)]

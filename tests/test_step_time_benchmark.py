@@ -15,4 +15,8 @@ def test_step_time_records_host_time_and_op_counts(tmp_path):
     assert 0 < row["host_ms"] <= row["wall_ms"]
     assert row["aten_ops"] > 0 and row["device_ms"] is None  # no kernel times on a CPU
     assert results["workload"]["batch_size"] == 4
+    # Where the host time goes: the model's forward is the project's function with the most time.
+    profile = row["host_profile"]
+    assert profile["self_time"] and all(r["ms_per_step"] >= 0 for r in profile["self_time"])
+    assert "models/decoder.py" in profile["project_cumulative_time"][0]["function"]
     assert json.loads((tmp_path / "step_time_cpu_tiny_b4.json").read_text())["variants"] == [row]

@@ -53,9 +53,13 @@ class EngineCoreStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
-    # Speculative decoding: draft tokens verified and accepted since start (acceptance rate: their ratio).
+    # Speculative decoding since start: drafts (a request's step with draft tokens), draft tokens
+    # verified and accepted (acceptance rate: their ratio; mean accepted length: 1 + accepted per
+    # draft), and accepted tokens by draft position (entry i: the (i + 1)-th draft of a step).
+    spec_decode_num_drafts_total: int = 0
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos_total: list[int] = []
     step_time_total: float = 0.0  # seconds in step()
     model_time_total: float = 0.0  # seconds of that inside the executor (forward + sampling)
     # Steps and their seconds by what they computed: "decode", "prefill" or "mixed".

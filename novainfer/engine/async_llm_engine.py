@@ -128,8 +128,7 @@ class AsyncLLMEngine:
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(self.model_config.tokenizer)
         self.core = CoreClient(config, log_stats_interval, name, in_thread=not multiprocess)
-        self.processor = InputProcessor(self.model_config, self.tokenizer, self.core.info.kv_capacity,
-                                        config.speculative_config)
+        self.processor = InputProcessor(self.model_config, self.tokenizer, self.core.info.kv_capacity)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

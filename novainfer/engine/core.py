@@ -27,7 +27,7 @@ from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from novainfer.core.sched.output import SchedulerOutput
 from novainfer.core.sched.request import Request, RequestStatus
-from novainfer.core.sched.scheduler import Scheduler
+from novainfer.core.sched.scheduler import Scheduler, SchedulerStats
 from novainfer.executor.abstract import Executor
 from novainfer.spec_decode.ngram_proposer import propose_ngram
 from novainfer.worker.model_runner import ModelRunnerOutput
@@ -79,7 +79,8 @@ class EngineCore:
         self._in_flight: deque[SchedulerOutput] = deque()
         self._early_outputs: list[EngineCoreOutput] = []
         self.log_stats_interval = log_stats_interval
-        self._last_log = (time.monotonic(), 0, 0)
+        # When the last throughput line was logged, and the totals then.
+        self._last_log = (time.monotonic(), 0, 0, self.scheduler.make_stats())
         model_config = config.model_config
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d",
                     model_config.model, model_config.torch_dtype, config.device, num_blocks, cache.block_size,
@@ -201,8 +202,14 @@ class EngineCore:
                                                                     sched.kv_cache_usage)
         s.num_preemptions_total = sched.num_preemptions
         s.prefix_cache_queries_total, s.prefix_cache_hits_total = sched.prefix_cache_queries, sched.prefix_cache_hits
+        s.spec_decode_num_drafts_total = sched.spec_decode_num_drafts
         s.spec_decode_num_draft_tokens_total = sched.spec_decode_num_draft_tokens
         s.spec_decode_num_accepted_tokens_total = sched.spec_decode_num_accepted_tokens
+        per_pos = sched.spec_decode_num_accepted_tokens_per_pos
+        spec = self.config.speculative_config
+        if spec is not None:  # every position that can be drafted, accepted or not
+            per_pos += [0] * (spec.num_speculative_tokens - len(per_pos))
+        s.spec_decode_num_accepted_tokens_per_pos_total = per_pos
         return msgspec.structs.replace(s, steps_by_kind=dict(s.steps_by_kind),
                                        step_time_by_kind=dict(s.step_time_by_kind))
 
@@ -231,7 +238,7 @@ class EngineCore:
                          len(scheduler_output.num_scheduled_tokens), num_prefill, num_decode, len(sched.running),
                          len(sched.waiting), 100 * self.kv_cache_manager.usage, 1e3 * step_time, 1e3 * model_time)
         now = time.monotonic()
-        last_time, last_prompt, last_gen = self._last_log
+        last_time, last_prompt, last_gen, last_sched = self._last_log
         if now - last_time >= self.log_stats_interval:
             elapsed = now - last_time
             sched = self.scheduler.make_stats()
@@ -239,10 +246,29 @@ class EngineCore:
                         "kv_usage=%.1f%% preemptions=%d", (s.prompt_tokens_total - last_prompt) / elapsed,
                         (s.generation_tokens_total - last_gen) / elapsed, sched.num_running_reqs,
                         sched.num_waiting_reqs, 100 * sched.kv_cache_usage, sched.num_preemptions)
-            self._last_log = (now, s.prompt_tokens_total, s.generation_tokens_total)
+            if self.config.speculative_config is not None:
+                _log_spec_decode(sched, last_sched)
+            self._last_log = (now, s.prompt_tokens_total, s.generation_tokens_total, sched)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _log_spec_decode(now: SchedulerStats, before: SchedulerStats) -> None:
+    """Speculative decoding since the last line: acceptance rate (accepted / drafted tokens), mean
+    accepted length (tokens a request got per step with drafts: its accepted drafts and one more)
+    and the acceptance rate at each draft position."""
+    drafts = now.spec_decode_num_drafts - before.spec_decode_num_drafts
+    if drafts == 0:
+        return
+    draft_tokens = now.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = now.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    earlier = before.spec_decode_num_accepted_tokens_per_pos
+    per_pos = [(n - (earlier[i] if i < len(earlier) else 0)) / drafts
+               for i, n in enumerate(now.spec_decode_num_accepted_tokens_per_pos)]
+    logger.info("speculative decoding: acceptance rate %.1f%%, mean accepted length %.2f; drafts=%d "
+                "draft_tokens=%d accepted_tokens=%d; per-position acceptance rate [%s]", 100 * accepted / draft_tokens,
+                1 + accepted / drafts, drafts, draft_tokens, accepted, ", ".join(f"{r:.2f}" for r in per_pos))
 
 
 def _merge(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:

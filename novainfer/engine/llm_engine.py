@@ -62,8 +62,7 @@ class LLMEngine:
             self.engine_core = SyncMPClient(config, log_stats_interval)
         else:
             self.engine_core = EngineCore(config, executor_class, log_stats_interval)
-        self.processor = InputProcessor(self.model_config, self.tokenizer, self.engine_core.info.kv_capacity,
-                                        config.speculative_config)
+        self.processor = InputProcessor(self.model_config, self.tokenizer, self.engine_core.info.kv_capacity)
         self.output_processor = OutputProcessor(self.tokenizer)
         freeze_startup_objects()
 

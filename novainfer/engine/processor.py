@@ -9,7 +9,6 @@ from typing import Any
 from novainfer.config import ModelConfig
 from novainfer.core.messages import EngineCoreRequest
 from novainfer.sampling_params import SamplingParams
-from novainfer.spec_decode.config import SpeculativeConfig
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
 
@@ -20,10 +19,8 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer, kv_capacity: int,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer, kv_capacity: int) -> None:
         self.model_config = model_config
-        self.speculative_config = speculative_config
         self.tokenizer = tokenizer
         self.kv_capacity = kv_capacity  # tokens the whole KV cache holds
         self.eos_token_ids = model_config.generation_eos_token_ids()
@@ -67,8 +64,6 @@ class InputProcessor:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if self.speculative_config is not None:
-            check_speculative_support(params)
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
@@ -84,15 +79,3 @@ class InputProcessor:
                                               child_params, max_tokens, arrival_time))
         return text, token_ids, params, children
 
-
-def check_speculative_support(params: SamplingParams) -> None:
-    """Refuses, naming the field, what speculative decoding cannot serve yet: logprobs (of drafts
-    verified in one step) and penalties (which would change within a step's drafts)."""
-    if params.logprobs is not None:
-        raise ValueError(f"logprobs={params.logprobs} is not supported with speculative decoding yet; "
-                         f"leave logprobs unset or start the engine without speculative_config")
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = getattr(params, name)
-        if value != (1.0 if name == "repetition_penalty" else 0.0):
-            raise ValueError(f"{name}={value} is not supported with speculative decoding yet; "
-                             f"start the engine without speculative_config to use penalties")

@@ -31,9 +31,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """As :meth:`forward_native`; on CUDA one fused Triton kernel does the add and the norm (under
-        torch.compile, inductor fuses the PyTorch code with its neighbours instead)."""
+        torch.compile, inductor fuses the PyTorch code with its neighbours instead). There, with
+        ``residual`` (a decoder layer's case), the results are written over ``x`` and ``residual``,
+        which saves two allocations per call: callers do not read their inputs afterwards."""
         if x.is_cuda and not torch.compiler.is_compiling():
-            from novainfer.layers.ops import rms_norm
+            from novainfer.layers.ops import fused_add_rms_norm_, rms_norm
 
+            if residual is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
+                return fused_add_rms_norm_(x, residual, self.weight, self.eps)
             return rms_norm(x, self.weight, self.eps, residual)
         return self.forward_native(x, residual)

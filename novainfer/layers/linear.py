@@ -77,6 +77,25 @@ class LinearBase(nn.Module):
                    shard_dim=self._param_shard_dim(param), tp_rank=self.tp_rank, tp_size=self.tp_size,
                    weight_name=weight_name or param.weight_name)
 
+    def _weight_t(self) -> torch.Tensor:
+        """``weight.t()``, a view made once and reused while it still views the weight's storage (a
+        ``.to()`` of the module or a ``.data`` assignment swaps the storage and it is made anew)."""
+        weight = self.weight
+        cached = self.__dict__.get("_cached_weight_t")
+        if cached is None or cached.data_ptr() != weight.data_ptr():
+            cached = self.__dict__["_cached_weight_t"] = weight.t()
+        return cached
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``. For the model's [T, in] activations it calls the op F.linear
+        calls for them (``addmm(bias, x, weight.t())``, or ``mm`` without a bias: the same kernel, the
+        same bits) on a cached transposed view, which saves the per-call dispatch of ``linear``,
+        ``t``, ``transpose``, ``as_strided`` and ``matmul`` in every layer of an eager step."""
+        if x.dim() != 2 or torch.compiler.is_compiling():
+            return F.linear(x, self.weight, bias)
+        weight_t = self._weight_t()
+        return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}")
@@ -88,7 +107,7 @@ class ReplicatedLinear(LinearBase):
     tp_dim = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -97,7 +116,7 @@ class ColumnParallelLinear(LinearBase):
     tp_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class _SegmentedColumnParallelLinear(ColumnParallelLinear):
@@ -174,7 +193,7 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.matmul(x, None)
         if self.reduce_results:
             # Always through the group: a single-rank group makes this a no-op, and one code path
             # keeps the number of collectives per layer the same at every tensor-parallel size.

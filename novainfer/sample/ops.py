@@ -1,9 +1,16 @@
-"""The counter-based noise of :mod:`novainfer.sample.rng` as one Triton kernel (CUDA).
+"""Triton kernels of the sampler (CUDA): the counter-based noise of :mod:`novainfer.sample.rng`,
+and the whole-vocabulary draw fused into one pass over the logits.
 
-The torch version runs about twenty elementwise passes over a [rows, vocabulary] int64 tensor; this
-kernel computes each value in registers and writes it once, so seeded rows cost what a draw from
-torch's own generator costs. It does the same int64 arithmetic as the torch version (the same
-bits; only ``log`` may differ in the last place).
+The noise kernel does the same int64 arithmetic as the torch version (the same bits; only ``log``
+may differ in the last place). The torch version runs about twenty elementwise passes over a
+[rows, vocabulary] int64 tensor; the kernels compute each value in registers.
+
+The fused draw (:func:`draw_whole_vocabulary`) serves steps whose random rows sample from the whole
+vocabulary (no top-k, top-p or min-p): each program reads one chunk of one row of the logits once,
+applies the step's min_tokens mask and penalties (the same float operations, in the same order, as
+:func:`novainfer.sample.sampler.apply_penalties`), adds the noise and reduces the chunk to its best
+token; with logprobs it also reduces the raw logits to the chunk's (max, sum of exp). The torch
+path instead runs about ten float32 passes (softmax, noise, division, argmax, each penalty).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import triton
 import triton.language as tl
 
 from novainfer.sample import rng
+from novainfer.sample.metadata import SamplingMetadata
 
 # The hash's constants (see novainfer.sample.rng), as compile-time constants of the kernels.
 _MASK32 = tl.constexpr(rng.MASK32)
@@ -29,15 +37,21 @@ def _mix32(x):
 
 
 @triton.jit
+def _exponential(key, ids):
+    """Exp(1) noise of token ``ids`` (int64) for a row's ``key``: rng.exponential_noise_torch."""
+    bits = _mix32((key + ids * _GOLDEN) & _MASK32)
+    uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # rng.uniform_from_bits
+    return -tl.log(uniform)
+
+
+@triton.jit
 def _exponential_noise_kernel(keys_ptr, token_ids_ptr, out_ptr, width, stride_ids, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     key = tl.load(keys_ptr + row).to(tl.int64)
     ids = tl.load(token_ids_ptr + row * stride_ids + cols, mask=mask, other=0).to(tl.int64)
-    bits = _mix32((key + ids * _GOLDEN) & _MASK32)
-    uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # rng.uniform_from_bits
-    tl.store(out_ptr + row * stride_out + cols, -tl.log(uniform), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, _exponential(key, ids), mask=mask)
 
 
 def exponential_noise_triton(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -50,3 +64,139 @@ def exponential_noise_triton(keys: torch.Tensor, token_ids: torch.Tensor) -> tor
         keys.contiguous(), token_ids, out, width, token_ids.stride(0) if token_ids.dim() == 2 else 0, out.stride(0),
         BLOCK=block)
     return out
+
+
+@triton.jit
+def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
+                 temperature_ptr, stride_temperature, greedy_ptr, keys_ptr,
+                 stop_ptr, stride_stop, repetition_ptr, stride_repetition, seen_ptr, stride_seen,
+                 frequency_ptr, stride_frequency, presence_ptr, stride_presence, counts_ptr, stride_counts,
+                 best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_sum_ptr,
+                 BLOCK: tl.constexpr, STOP: tl.constexpr, REPETITION: tl.constexpr, FREQUENCY: tl.constexpr,
+                 PRESENCE: tl.constexpr, NOISE: tl.constexpr, LSE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_vocab = cols < vocab_size
+    raw = tl.load(logits_ptr + row * stride_logits + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+    out = row * num_chunks + chunk
+    if LSE:
+        # Of the raw logits (logprobs describe the model's own distribution).
+        chunk_max = tl.max(raw, axis=0)
+        tl.store(chunk_max_ptr + out, chunk_max)
+        tl.store(chunk_sum_ptr + out, tl.sum(tl.where(raw > float("-inf"), tl.exp(raw - chunk_max), 0.0), axis=0))
+    x = raw
+    if STOP:
+        stop = tl.load(stop_ptr + row * stride_stop + cols, mask=in_vocab, other=0)
+        x = tl.where(stop != 0, float("-inf"), x)
+    if REPETITION:
+        penalty = tl.load(repetition_ptr + row * stride_repetition)
+        seen = tl.load(seen_ptr + row * stride_seen + cols, mask=in_vocab, other=0)
+        # div_rn: IEEE division, as torch's (Triton's default float32 division is approximate).
+        x = tl.where(seen != 0, tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty), x)
+    if FREQUENCY or PRESENCE:
+        counts = tl.load(counts_ptr + row * stride_counts + cols, mask=in_vocab, other=0)
+        if FREQUENCY:
+            x = x - tl.load(frequency_ptr + row * stride_frequency) * counts.to(tl.float32)
+        if PRESENCE:
+            x = x - tl.load(presence_ptr + row * stride_presence) * (counts > 0).to(tl.float32)
+    if NOISE:
+        if tl.load(greedy_ptr + row) == 0:
+            # Gumbel-max in log space: argmax(x / T - log q) = argmax(softmax(x / T) / q), the
+            # exponential race of the torch path, for the same Exp(1) noise q.
+            key = tl.load(keys_ptr + row).to(tl.int64)
+            x = x / tl.load(temperature_ptr + row * stride_temperature) - tl.log(_exponential(key, cols))
+    # Ties go to the lowest id, within the chunk here and across chunks in the caller (as argmax).
+    best_score, best = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(best_score_ptr + out, best_score)
+    tl.store(best_token_ptr + out, chunk.to(tl.int64) * BLOCK + best)
+
+
+def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor | None,
+                          with_lse: bool, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row of ``logits`` [B, V] (any float dtype), in one pass: min_tokens mask and
+    penalties of ``metadata``, then greedy rows take the argmax and the others draw from
+    softmax(logits / temperature) over the whole vocabulary with the Exp(1) noise of their row's
+    ``keys`` entry ([B] int64, see :mod:`novainfer.sample.rng`; None when every row is greedy).
+    Callers make sure no random row has a top-k, top-p or min-p.
+
+    Returns the tokens [B] int64 and, ``with_lse``, the log-sum-exp [B] float32 of the raw logits.
+    """
+    batch_size, vocab_size = logits.shape
+    num_chunks = triton.cdiv(vocab_size, block)
+    device = logits.device
+    best_score = torch.empty(batch_size, num_chunks, dtype=torch.float32, device=device)
+    best_token = torch.empty(batch_size, num_chunks, dtype=torch.int64, device=device)
+    chunk_max = torch.empty_like(best_score) if with_lse else best_score
+    chunk_sum = torch.empty_like(best_score) if with_lse else best_score
+    # Absent tables are never read (their stage's flag is off): any pointer stands in for them.
+    stop = _as_bytes(metadata.min_tokens_mask, logits)
+    seen = _as_bytes(metadata.seen_token_mask, logits)
+    counts = logits if metadata.output_token_counts is None else metadata.output_token_counts
+    frequency = logits if metadata.frequency_penalties is None else metadata.frequency_penalties
+    presence = logits if metadata.presence_penalties is None else metadata.presence_penalties
+    _draw_kernel[(batch_size, num_chunks)](
+        logits, logits.stride(0), vocab_size, num_chunks,
+        metadata.temperature, metadata.temperature.stride(0), metadata.is_greedy.contiguous().view(torch.uint8),
+        logits if keys is None else keys.contiguous(),
+        stop, stop.stride(0), metadata.repetition_penalties, metadata.repetition_penalties.stride(0),
+        seen, seen.stride(0), frequency, frequency.stride(0), presence, presence.stride(0), counts, counts.stride(0),
+        best_score, best_token, chunk_max, chunk_sum,
+        BLOCK=block, STOP=metadata.min_tokens_mask is not None, REPETITION=metadata.seen_token_mask is not None,
+        FREQUENCY=metadata.frequency_penalties is not None, PRESENCE=metadata.presence_penalties is not None,
+        NOISE=keys is not None, LSE=with_lse,
+        # No fused multiply-adds, so that penalized logits round as torch's separate operations do.
+        enable_fp_fusion=False, num_warps=8)
+    tokens = torch.empty(batch_size, dtype=torch.int64, device=device)
+    lse = torch.empty(batch_size, dtype=torch.float32, device=device) if with_lse else best_score
+    _combine_chunks_kernel[(batch_size,)](best_score, best_token, chunk_max, chunk_sum, num_chunks, tokens, lse,
+                                          CHUNKS=triton.next_power_of_2(num_chunks), LSE=with_lse)
+    return tokens, lse if with_lse else None
+
+
+@triton.jit
+def _combine_chunks_kernel(best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_sum_ptr, num_chunks, tokens_ptr,
+                           lse_ptr, CHUNKS: tl.constexpr, LSE: tl.constexpr):
+    """A row's token and log-sum-exp from its chunks' (one launch rather than a few torch ops)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNKS)
+    valid = chunks < num_chunks
+    scores = tl.load(best_score_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
+    # The first chunk of the best score holds the lowest id among equal best scores.
+    _, best = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(tokens_ptr + row, tl.load(best_token_ptr + row * num_chunks + best))
+    if LSE:
+        maxima = tl.load(chunk_max_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
+        sums = tl.load(chunk_sum_ptr + row * num_chunks + chunks, mask=valid, other=0.0)
+        row_max = tl.max(maxima, axis=0)
+        total = tl.sum(tl.where(maxima > float("-inf"), sums * tl.exp(maxima - row_max), 0.0), axis=0)
+        tl.store(lse_ptr + row, row_max + tl.log(total))
+
+
+def _as_bytes(mask: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    return stand_in if mask is None else mask.view(torch.uint8)
+
+
+@triton.jit
+def _count_greater_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, values_ptr, needed_ptr, out_ptr,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # Rows that are not needed load nothing (a masked load reads no memory).
+    read = (cols < vocab_size) & (tl.load(needed_ptr + row) != 0)
+    x = tl.load(logits_ptr + row * stride_logits + cols, mask=read, other=float("-inf")).to(tl.float32)
+    tl.store(out_ptr + row * num_chunks + chunk, tl.sum((x > tl.load(values_ptr + row)).to(tl.int32), axis=0))
+
+
+def count_greater(logits: torch.Tensor, values: torch.Tensor, needed: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """[B] int64: how many entries of each row of ``logits`` [B, V] exceed the row's ``values``
+    entry ([B] float32), for the rows where ``needed`` ([B] bool) is set; 0 for the others, whose
+    logits are not read."""
+    batch_size, vocab_size = logits.shape
+    num_chunks = triton.cdiv(vocab_size, block)
+    partial = torch.empty(batch_size, num_chunks, dtype=torch.int32, device=logits.device)
+    _count_greater_kernel[(batch_size, num_chunks)](logits, logits.stride(0), vocab_size, num_chunks,
+                                                    values.contiguous(), needed.view(torch.uint8), partial,
+                                                    BLOCK=block, num_warps=8)
+    return partial.sum(dim=1)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from novainfer.sample.metadata import SamplingMetadata
 
 
 @dataclass
@@ -80,3 +83,28 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     token_ids = torch.where(positions < num_accepted.unsqueeze(1), padded_drafts, -1)
     token_ids[rows, num_accepted] = final
     return RejectionSamplerOutput(token_ids, num_accepted + 1, num_accepted)
+
+
+def add_preceding_drafts(metadata: SamplingMetadata, draft_token_ids: np.ndarray, num_draft_tokens: np.ndarray) -> None:
+    """Penalties under speculation: the rows of a step that verifies request b's drafts d_1..d_n
+    (row b of ``draft_token_ids`` [B, k], ``num_draft_tokens[b]`` of them) are its n + 1 positions,
+    consecutive and in request order, and the row of position j is scored as if d_1..d_j had been
+    emitted (they have, wherever that row's token is used: the drafts before it were all accepted).
+    Adds them to the rows' output counts and seen-token masks, which ``metadata`` holds as copies
+    gathered for this step."""
+    k = draft_token_ids.shape[1]
+    counts = num_draft_tokens + 1
+    starts = np.cumsum(counts) - counts
+    position, before = np.tril_indices(k + 1, -1)  # every (position j, draft index i < j)
+    valid = position[None, :] <= num_draft_tokens[:, None]
+    rows = (starts[:, None] + position[None, :])[valid]
+    if not len(rows):
+        return
+    device = metadata.temperature.device
+    rows_d, tokens_d = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
+                        for a in (rows, draft_token_ids[:, before][valid]))
+    if metadata.output_token_counts is not None:
+        table = metadata.output_token_counts
+        table.index_put_((rows_d, tokens_d), torch.ones_like(rows_d, dtype=table.dtype), accumulate=True)
+    if metadata.seen_token_mask is not None:
+        metadata.seen_token_mask[rows_d, tokens_d] = True

@@ -2,7 +2,11 @@
 
 Each stage is a plain function over [B, V] tensors so it can be tested on its
 own; `Sampler.forward` chains them in vLLM's order. No stage modifies the
-caller's logits.
+caller's logits. These torch stages are the reference (and the CPU path); on
+CUDA a step whose random rows draw from the whole vocabulary (no top-k, top-p
+or min-p) runs them fused in one Triton pass (novainfer.sample.ops), with the
+same noise for seeded rows and so the same tokens. Logprobs are the raw
+logits minus their log-sum-exp, never a [B, V] log_softmax.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from novainfer.sample.metadata import SamplingMetadata
+from novainfer.sample import rng
 from novainfer.sample.rng import exponential_noise
 
 
@@ -70,6 +75,33 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     if metadata.presence_penalties is not None:
         logits = logits - metadata.presence_penalties.unsqueeze(1) * (counts > 0).to(logits.dtype)
     return logits
+
+
+def apply_penalties_and_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The logits a step draws from, before temperature and truncation: float32 where a stage
+    changes them, else the caller's tensor (any float dtype)."""
+    if metadata.min_tokens_mask is None and metadata.no_penalties:
+        return logits
+    logits = apply_min_tokens(logits.to(torch.float32), metadata)
+    return logits if metadata.no_penalties else apply_penalties(logits, metadata)
+
+
+def draws_from_whole_vocabulary(metadata: SamplingMetadata) -> bool:
+    """Whether no random row of the step has a top-k, top-p or min-p."""
+    return metadata.no_top_k and metadata.no_top_p and metadata.no_min_p
+
+
+def step_noise_keys(metadata: SamplingMetadata) -> torch.Tensor | None:
+    """[B] int64 keys of each row's counter-based noise (novainfer.sample.rng) for one draw of the
+    whole batch: a seeded row's key from its seed and position, the other rows' fresh from the
+    global generator (on the logits' device, without a host sync). None when every row is greedy."""
+    if metadata.all_greedy:
+        return None
+    if metadata.noise_keys is not None and metadata.all_random_seeded:
+        return metadata.noise_keys
+    keys = torch.randint(0, rng.MASK32 + 1, metadata.temperature.shape, dtype=torch.int64,
+                         device=metadata.temperature.device)
+    return keys if metadata.noise_keys is None else torch.where(metadata.is_seeded, metadata.noise_keys, keys)
 
 
 def mask_sorted_top_k_top_p(
@@ -156,23 +188,46 @@ def random_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def gather_logprobs(
-    logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
+    logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: int, lse: torch.Tensor | None = None
 ) -> LogprobsTensors:
-    """Sampled token's logprob and rank plus the top num_logprobs alternatives."""
+    """Sampled token's logprob and rank plus the top num_logprobs alternatives, of the raw
+    ``logits`` [B, V] (any float dtype), without a [B, V] log_softmax: a logprob is the logit minus
+    the row's log-sum-exp ``lse`` ([B] float32; computed here when not given), and the top
+    alternatives are the top logits."""
+    if lse is None:
+        lse = torch.logsumexp(logits.to(torch.float32), dim=-1)
     sampled = sampled.unsqueeze(1)
-    sampled_logprobs = logprobs.gather(-1, sampled)
-    top_logprobs, top_ids = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)
-    # Rank counts strictly more likely tokens, so tied tokens share the best rank.
-    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
+    sampled_logits = logits.gather(-1, sampled).to(torch.float32)
+    # At least the top entry, which tells which rows' ranks need counting (see sampled_token_ranks).
+    top_logits, top_ids = logits.topk(min(max(num_logprobs, 1), logits.shape[-1]), dim=-1)
+    top_logits = top_logits.to(torch.float32)
     return LogprobsTensors(
-        token_ids=torch.cat([sampled, top_ids], dim=1),
-        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
-        sampled_token_ranks=ranks,
+        token_ids=torch.cat([sampled, top_ids[:, :num_logprobs]], dim=1),
+        logprobs=torch.cat([sampled_logits, top_logits[:, :num_logprobs]], dim=1) - lse.unsqueeze(1),
+        sampled_token_ranks=sampled_token_ranks(logits, sampled_logits.squeeze(1), top_logits),
     )
 
 
+def sampled_token_ranks(logits: torch.Tensor, sampled_logits: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
+    """[B] int64 rank of each row's sampled token: 1 + the number of strictly larger logits, so tied
+    tokens share the best rank. ``top_logits`` [B, k >= 1] are the row's largest logits, descending.
+
+    On CUDA only the rows whose sampled logit is below their k-th largest are counted over the
+    vocabulary (one Triton pass that skips the other rows): every logit above a sampled one at
+    least as large as the k-th largest is among the top k, so those ranks come from ``top_logits``.
+    """
+    if not logits.is_cuda:
+        return (logits.to(torch.float32) > sampled_logits.unsqueeze(1)).sum(dim=-1) + 1
+    from novainfer.sample.ops import count_greater
+
+    in_top = sampled_logits >= top_logits[:, -1]
+    counted = count_greater(logits, sampled_logits, ~in_top)
+    return torch.where(in_top, (top_logits > sampled_logits.unsqueeze(1)).sum(dim=-1), counted) + 1
+
+
 class Sampler(nn.Module):
-    """Turns [B, V] logits into one token per row, following SamplingMetadata."""
+    """Turns [B, V] logits (any float dtype; the arithmetic is float32) into one token per row,
+    following SamplingMetadata."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         batch_size = metadata.temperature.shape[0]
@@ -181,24 +236,25 @@ class Sampler(nn.Module):
                 f"logits must have shape ({batch_size}, {metadata.vocab_size}) to match the "
                 f"sampling metadata, got {tuple(logits.shape)}"
             )
-        logits = logits.to(torch.float32)
+        lse = None  # of the raw logits, where the draw computes it
+        if logits.is_cuda and draws_from_whole_vocabulary(metadata):
+            # One Triton pass over the logits, in their own dtype (see novainfer.sample.ops).
+            from novainfer.sample.ops import draw_whole_vocabulary
+
+            sampled, lse = draw_whole_vocabulary(logits, metadata, step_noise_keys(metadata),
+                                                 with_lse=metadata.max_num_logprobs is not None)
+        else:
+            sampled = self._sample(apply_penalties_and_min_tokens(logits, metadata), metadata)
         # Logprobs describe the model's own distribution (vLLM v1's default "raw" mode).
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = logits.log_softmax(dim=-1)
-
-        logits = apply_min_tokens(logits, metadata)
-        if not metadata.no_penalties:
-            logits = apply_penalties(logits, metadata)
-        sampled = self._sample(logits, metadata)
-
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        if metadata.max_num_logprobs is not None:
+            logprobs = gather_logprobs(logits, sampled, metadata.max_num_logprobs, lse)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        # Logits in any float dtype: argmax and top-k read them as they are (a float32 copy of the
+        # whole vocabulary would be a pass of its own), the arithmetic is float32.
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         if metadata.all_greedy:
             return greedy
@@ -210,12 +266,13 @@ class Sampler(nn.Module):
             # (sorted, as top-p needs) rather than sorting the whole vocabulary. A temperature
             # keeps a row's order, so it only needs to scale the candidates.
             logits, token_ids = logits.topk(min(metadata.max_top_k, logits.shape[-1]), dim=-1)
+            logits = logits.to(torch.float32)
             top_p = None if metadata.no_top_p else metadata.top_p
             probs = _min_p_probs(mask_sorted_top_k_top_p(logits / metadata.temperature.unsqueeze(1), metadata.top_k,
                                                          top_p), metadata)
         else:
             token_ids = torch.arange(logits.shape[-1], device=logits.device)
-            probs = sampling_probs(logits, metadata)
+            probs = sampling_probs(logits.to(torch.float32), metadata)
         choice = random_sample(probs, exponential_draws(probs, token_ids, metadata))
         sampled = choice if token_ids.dim() == 1 else token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
         if greedy is None:

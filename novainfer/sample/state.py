@@ -252,13 +252,18 @@ class SamplingStateTable:
             rows=rows_d,
         )
 
-    def record_sampled(self, metadata: SamplingMetadata, sampled: torch.Tensor) -> None:
+    def record_sampled(self, metadata: SamplingMetadata, sampled: torch.Tensor,
+                       counted: torch.Tensor | None = None) -> None:
         """Adds a step's sampled tokens to their rows' output counts and seen-token masks (on the
-        device), where some row of the step reads them; the other rows never do."""
+        device), where some row of the step reads them; the other rows never do. ``counted`` [B]
+        bool: which entries add to the output counts (None: all); an entry left out must repeat a
+        token that a counted entry of its row records (it marks that token seen again). Speculative
+        decoding leaves out the positions after a rejected draft, which emit nothing."""
         if metadata.no_penalties:
             return
         flat = metadata.rows * self.vocab_size + sampled
         if metadata.output_token_counts is not None:
-            self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            ones = torch.ones_like(flat, dtype=torch.int32) if counted is None else counted.to(torch.int32)
+            self.output_counts.view(-1).scatter_add_(0, flat, ones)
         if metadata.seen_token_mask is not None:
             self.seen_mask.view(-1).index_fill_(0, flat, True)

@@ -31,8 +31,10 @@ from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.model_loader import load_model
 from novainfer.models.compile import compile_model
 from novainfer.sample import Sampler, SamplingStateTable
-from novainfer.sample.rejection_sampler import rejection_sample
-from novainfer.sample.sampler import LogprobsTensors, apply_min_tokens, exponential_draws, sampling_probs
+from novainfer.sample.metadata import SamplingMetadata
+from novainfer.sample.rejection_sampler import RejectionSamplerOutput, add_preceding_drafts, rejection_sample
+from novainfer.sample.sampler import (LogprobsTensors, apply_min_tokens, apply_penalties, exponential_draws,
+                                      gather_logprobs, sampling_probs)
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graphs import GraphKey, StepGraphs, cudagraph_capture_sizes
 from novainfer.worker.input_buffers import BufferCapacity, StepInputBuffers
@@ -137,43 +139,53 @@ class SampledStep:
     device_tokens: torch.Tensor  # [len(states)] int64: each request's newest token
     rows: dict[str, int]  # req_id -> row
     # The step's results on the host, from one copy: the tokens [B]; with logprobs
-    # [B, 1 + (1 + 2 (k + 1))]: the tokens, then LogprobsTensors.pack's columns; with speculative
-    # decoding [B, 1 + (k + 1)]: the number of tokens of each request, then its tokens.
+    # [B, 1 + W] (W = 1 + 2 (n + 1)): the tokens, then LogprobsTensors.pack's columns; with
+    # speculative decoding [B, 1 + P] (P = k + 1 positions): the number of tokens of each request,
+    # then its tokens, and with logprobs P groups of W columns more, one per position.
     host_results: torch.Tensor
     has_logprobs: bool
     copied: torch.cuda.Event | None  # recorded after the copy to the host (CUDA only)
     speculative: bool = False
+    num_positions: int = 1  # P
 
     @classmethod
     def start_copy(cls, states: list[CachedRequestState], tokens: torch.Tensor,
                    logprobs: LogprobsTensors | None, num_tokens: torch.Tensor | None = None) -> SampledStep:
         """Queues the copy of a step's tokens (and logprobs) to the host, without waiting.
-        ``tokens`` is [B], or [B, k + 1] with ``num_tokens`` [B] (speculative decoding: row b holds
-        ``num_tokens[b]`` tokens)."""
+        ``tokens`` is [B], or [B, P] with ``num_tokens`` [B] (speculative decoding: row b holds
+        ``num_tokens[b]`` tokens; ``logprobs`` then has B * P rows, request-major)."""
+        batch = tokens.shape[0]
+        num_positions = 1 if num_tokens is None else tokens.shape[1]
+        parts = [tokens.unsqueeze(1)] if num_tokens is None else [num_tokens.unsqueeze(1), tokens]
+        if logprobs is not None:
+            parts.append(logprobs.pack().view(batch, -1))
+        results = torch.cat(parts, dim=1) if len(parts) > 1 else tokens
         if num_tokens is not None:
-            results = torch.cat([num_tokens.unsqueeze(1), tokens], dim=1)
             tokens = tokens.gather(1, (num_tokens - 1).unsqueeze(1)).squeeze(1)
-        else:
-            results = tokens if logprobs is None else torch.cat([tokens.unsqueeze(1), logprobs.pack()], dim=1)
         host_results = results.to("cpu", non_blocking=True)  # pinned: the copy is asynchronous
         copied = None
         if tokens.device.type == "cuda":
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(tokens.device))
         return cls(states, tokens, {s.req_id: row for row, s in enumerate(states)}, host_results,
-                   logprobs is not None, copied, num_tokens is not None)
+                   logprobs is not None, copied, num_tokens is not None, num_positions)
 
     def wait(self) -> tuple[list[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """The tokens of each request, and the logprob arrays (token ids, logprobs, ranks) if any,
-        once they are on the host."""
+        once they are on the host: row b * P + j of the arrays is that of request b's token j."""
         if self.copied is not None:
             self.copied.synchronize()
         results = self.host_results.numpy()
-        if self.speculative:
-            return [row[1:1 + row[0]] for row in results.tolist()], None
-        if not self.has_logprobs:
+        if results.ndim == 1:
             return [[token] for token in results.tolist()], None
-        return [[token] for token in results[:, 0].tolist()], LogprobsTensors.unpack(results[:, 1:])
+        width = self.num_positions + self.speculative
+        if self.speculative:
+            tokens = [row[1:1 + row[0]] for row in results[:, :width].tolist()]
+        else:
+            tokens = [[token] for token in results[:, 0].tolist()]
+        if not self.has_logprobs:
+            return tokens, None
+        return tokens, LogprobsTensors.unpack(results[:, width:].reshape(len(tokens) * self.num_positions, -1))
 
 
 @dataclass
@@ -183,9 +195,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     # Per request, its new tokens: one, or with speculative decoding its accepted drafts and one more.
     sampled_token_ids: list[list[int]]
-    # Per sampled request, when it asked for logprobs: (token ids, logprobs, rank of the sampled
-    # token); index 0 of the lists is the sampled token, then the top alternatives.
-    logprobs: list[tuple[list[int], list[float], int] | None] | None = None
+    # Per sampled request, when it asked for logprobs, per new token: (token ids, logprobs, rank of
+    # the sampled token); index 0 of the lists is the sampled token, then the top alternatives.
+    logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
     # Per request of ``req_ids``, the drafts a draft model proposes for its next step (speculative
     # decoding's "draft_model" method; None otherwise).
     draft_token_ids: list[list[int]] | None = None
@@ -679,7 +691,8 @@ class ModelRunner:
         else:
             metadata = self.sampling_table.gather(np.fromiter((s.row for s in sampling), np.int64, len(sampling)),
                                                   np.asarray(num_outputs, dtype=np.int64))
-            out = self.sampler(self._full_logits(head_output).float(), metadata)
+            # In the model's dtype: the sampler reads them as they are (no float32 copy on its fused path).
+            out = self.sampler(self._full_logits(head_output), metadata)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
             self.sampling_table.record_sampled(metadata, sampled)
         return SampledStep.start_copy(sampling, sampled, logprobs)
@@ -698,14 +711,18 @@ class ModelRunner:
         starts = np.cumsum(counts) - counts
         positions = np.repeat(np.asarray(num_outputs, dtype=np.int64) - starts, counts) + np.arange(int(counts.sum()))
         metadata = self.sampling_table.gather(table_rows, positions)
-        logits = apply_min_tokens(self._full_logits(head_output).float(), metadata)
-        greedy_ids = logits.argmax(dim=-1)
         k = int(counts.max()) - 1
         # Request b's rows padded to k + 1 positions (the padding repeats its last row, never read).
         index_np = starts[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None] - 1)
         drafts_np = np.full((len(sampling), k), -1, dtype=np.int64)
         for b, state in enumerate(sampling):
             drafts_np[b, :num_drafts[b]] = spec_tokens.get(state.req_id, ())
+        full_logits = self._full_logits(head_output).float()
+        logits = apply_min_tokens(full_logits, metadata)
+        if not metadata.no_penalties:
+            add_preceding_drafts(metadata, drafts_np, counts - 1)
+            logits = apply_penalties(logits, metadata)
+        greedy_ids = logits.argmax(dim=-1)
         index, drafts, num_drafts_d = (torch.from_numpy(a).to(self.device, non_blocking=True)
                                        for a in (index_np, drafts_np, counts - 1))
         if metadata.all_greedy:
@@ -719,7 +736,25 @@ class ModelRunner:
         uniform = torch.exp(-noise[:, :k].gather(-1, drafts.clamp(min=0).unsqueeze(-1)).squeeze(-1))
         is_greedy = metadata.is_greedy[index[:, 0]]
         out = rejection_sample(probs[index], drafts, num_drafts_d, None, greedy_ids[index], is_greedy, uniform, noise)
-        return SampledStep.start_copy(sampling, out.token_ids, None, out.num_tokens)
+        if not metadata.no_penalties:
+            self._record_emitted(metadata, out, counts)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            # Of each emitted token, at its position, from the raw distribution (as without speculation).
+            logprobs = gather_logprobs(full_logits[index.flatten()], out.token_ids.clamp(min=0).flatten(),
+                                       metadata.max_num_logprobs)
+        return SampledStep.start_copy(sampling, out.token_ids, logprobs, out.num_tokens)
+
+    def _record_emitted(self, metadata: SamplingMetadata, out: RejectionSamplerOutput, counts: np.ndarray) -> None:
+        """Adds a verification step's emitted tokens to the penalty state. Row r of the step (request
+        b's position j, ``counts[b]`` positions each) emitted out.token_ids[b, j] if j <
+        out.num_tokens[b]; a row past them repeats the request's last token, uncounted."""
+        request_np = np.repeat(np.arange(len(counts)), counts)
+        position_np = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        request, position = (torch.from_numpy(a).to(self.device, non_blocking=True) for a in (request_np, position_np))
+        num_tokens = out.num_tokens[request]
+        last = torch.minimum(position, num_tokens - 1)
+        self.sampling_table.record_sampled(metadata, out.token_ids[request, last], position < num_tokens)
 
     @staticmethod
     def _fetch(step: SampledStep) -> ModelRunnerOutput:
@@ -732,9 +767,11 @@ class ModelRunner:
         if logprobs is not None:
             ids, values, ranks = (a.tolist() for a in logprobs)
             logprobs_lists = []
-            for row, state in enumerate(step.states):
-                k = state.sampling_params.logprobs
-                logprobs_lists.append(None if k is None else (ids[row][:k + 1], values[row][:k + 1], ranks[row]))
+            for b, (state, new_tokens) in enumerate(zip(step.states, tokens)):
+                n = state.sampling_params.logprobs
+                rows = range(b * step.num_positions, b * step.num_positions + len(new_tokens))
+                logprobs_lists.append(None if n is None else [(ids[r][:n + 1], values[r][:n + 1], ranks[r])
+                                                              for r in rows])
         return ModelRunnerOutput([s.req_id for s in step.states], tokens, logprobs_lists)
 
     def is_replay_only(self, staged: StagedStep) -> bool:

@@ -199,10 +199,17 @@ class Worker:
         """Runs the largest eager step once, so that a workload's first large prefill does not pay for
         what a first use costs on a GPU: the allocator's growth (profiling returned its memory),
         library workspaces and kernel modules loaded on first launch. Its K/V go to free blocks,
-        which every request writes before it reads (CUDA only: on CPU there is nothing to warm)."""
+        which every request writes before it reads (CUDA only: on CPU there is nothing to warm). Then
+        every attention kernel variant that a step may need is compiled (see the backend's ``warm_up``)."""
         runner = self.model_runner
         if self.device.type != "cuda":
             return
+        warmed = set()
+        for layer in runner.model.attention_layers():
+            key = (layer.num_heads, tuple(layer.k_cache.shape[1:]))
+            if key not in warmed:
+                warmed.add(key)
+                runner.attn_backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache)
         sched = self.config.scheduler_config
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * sched.max_model_len)
         seqs, num_blocks = self._prompt_step(num_tokens)

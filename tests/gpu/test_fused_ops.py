@@ -34,7 +34,7 @@ from novainfer.attention.backends.triton_attn import TritonAttentionBackend  # n
 from novainfer.attention.ops import reshape_and_cache, rotary_embedding_and_cache  # noqa: E402
 from novainfer.layers.activation import SiluAndMul  # noqa: E402
 from novainfer.layers.layernorm import RMSNorm  # noqa: E402
-from novainfer.layers.ops import rms_norm, rotary_embedding_, silu_and_mul  # noqa: E402
+from novainfer.layers.ops import fused_add_rms_norm_, rms_norm, rotary_embedding_, silu_and_mul  # noqa: E402
 from novainfer.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
 
@@ -74,6 +74,25 @@ def test_rms_norm_matches_layer(hidden_size, with_residual, dtype):
         assert torch.equal(got[1], expected[1]), "the residual sum must be rounded exactly like x + residual"
         got, expected = got[0], expected[0]
     assert_within_ulps(got, expected, 2, "RMSNorm")
+
+
+@pytest.mark.parametrize("hidden_size", [896, 100])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_in_place_rms_norm_writes_the_functional_results_over_its_inputs(hidden_size, dtype):
+    weight = randn(hidden_size, dtype=dtype, seed=1, scale=0.5) + 1
+    x = randn(NUM_TOKENS, hidden_size, dtype=dtype, seed=2, scale=3.0)
+    residual = randn(NUM_TOKENS, hidden_size, dtype=dtype, seed=3)
+    expected_out, expected_sum = rms_norm(x, weight, 1e-6, residual)
+    x_ptr, residual_ptr = x.data_ptr(), residual.data_ptr()
+    out, summed = fused_add_rms_norm_(x, residual, weight, 1e-6)
+    assert out.data_ptr() == x_ptr and summed.data_ptr() == residual_ptr
+    assert torch.equal(out, expected_out) and torch.equal(summed, expected_sum)
+    with pytest.raises(ValueError, match="different memory"):
+        fused_add_rms_norm_(x, x, weight, 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        fused_add_rms_norm_(x, residual, weight.float() if dtype != torch.float32 else weight.half(), 1e-6)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        fused_add_rms_norm_(x.view(1, *x.shape), residual.view(1, *x.shape), weight, 1e-6)
 
 
 def test_rms_norm_float32_weight_promotes_output():

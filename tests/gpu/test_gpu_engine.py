@@ -8,6 +8,7 @@ run eagerly.
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import numpy as np
@@ -184,3 +185,28 @@ def test_graphs_on_and_off_give_the_same_tokens_for_512_requests_under_continuou
         llm.shutdown()
     assert counts["mixed"] > 0 and counts["decode"] > 0, counts
     assert results[False] == results[True]
+
+
+def _attention_kernel_variants() -> dict[str, set[str]]:
+    """The compiled variants (specialization keys) of each attention kernel, on every device."""
+    decode_ops = importlib.import_module("novainfer.attention.ops.decode_attention")
+    prefill_ops = importlib.import_module("novainfer.attention.ops.prefill_attention")
+
+    kernels = {"decode": decode_ops._decode_attention_kernel, "reduce": decode_ops._reduce_splits_kernel,
+               "prefill": prefill_ops._prefill_attention_kernel}
+    return {name: {str(key) for cache in kernel.device_caches.values() for key in cache[0]}
+            for name, kernel in kernels.items()}
+
+
+def test_start_up_compiles_every_attention_kernel_a_workload_launches(model_dir):
+    """Eager steps beyond the captured bound, with few and many decodes of short and long contexts
+    (so every split count), launch no attention kernel variant that start-up did not compile."""
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
+              max_cudagraph_capture_size=16, num_gpu_blocks_override=2048)
+    compiled = _attention_kernel_variants()
+    vocab_size = llm.llm_engine.model_config.vocab_size
+    prompts = _prompts(vocab_size, 96, seed=5) + random_prompts(vocab_size, [1500, 1800], seed=6)
+    _generate(llm, prompts, max_tokens=24)
+    llm.shutdown()
+    new = {name: keys - compiled[name] for name, keys in _attention_kernel_variants().items()}
+    assert not any(new.values()), new

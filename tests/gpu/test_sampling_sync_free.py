@@ -49,14 +49,20 @@ def every_setting(vocab_size: int, max_tokens: int) -> list[SamplingParams]:
     ]
 
 
+def whole_vocabulary(settings: list[SamplingParams]) -> list[SamplingParams]:
+    """The settings that draw from the whole vocabulary: a step of only these takes the fused draw."""
+    return [p for p in settings if p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0]
+
+
+@pytest.mark.parametrize("select", [list, whole_vocabulary], ids=["every_setting", "whole_vocabulary"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
-def test_decode_steps_of_every_setting_never_sync(enforce_eager):
+def test_decode_steps_of_every_setting_never_sync(enforce_eager, select):
     model_dir = tiny_model()
     llm = LLM(str(model_dir), device="cuda", async_scheduling=True, enforce_eager=enforce_eager)
     engine = llm.llm_engine
     vocab_size = engine.model_config.vocab_size
     try:
-        settings = every_setting(vocab_size, max_tokens=40)
+        settings = select(every_setting(vocab_size, max_tokens=40))
         for i, params in enumerate(settings * 3):
             engine.add_request(f"r{i}", {"prompt_token_ids": random_ids(i, 5 + 7 * (i % 5), vocab_size)}, params)
         # Warm-up: prefill every prompt and take a few decode steps (kernels compiled, tables allocated).
@@ -73,11 +79,13 @@ def test_decode_steps_of_every_setting_never_sync(enforce_eager):
         engine.shutdown()
 
 
-def test_requests_joining_and_sampling_never_sync():
+@pytest.mark.parametrize("select", [list, whole_vocabulary], ids=["every_setting", "whole_vocabulary"])
+def test_requests_joining_and_sampling_never_sync(select):
     """The table's writes when requests join (parameters, prompt masks, counts of earlier outputs,
-    stop masks), the per-step gather, the sampler and the device-side count update."""
+    stop masks), the per-step gather, the sampler (torch stages with truncated rows in the step,
+    the fused Triton draw without) and the device-side count update."""
     vocab_size, device = 1000, torch.device("cuda")
-    settings = every_setting(vocab_size, max_tokens=40)
+    settings = select(every_setting(vocab_size, max_tokens=40))
     table = SamplingStateTable(vocab_size, device)
     sampler = Sampler()
     rng = np.random.default_rng(0)

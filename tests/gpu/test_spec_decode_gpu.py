@@ -68,3 +68,22 @@ def test_greedy_draft_model_outputs_on_gpu_equal_plain_ones(max_num_seqs, draft)
     assert llm.llm_engine.engine_core.executor.driver_worker.draft_runner.graphs, "the draft captured no graphs"
     kv = llm.llm_engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_greedy_logprobs_and_penalties_with_speculation_on_gpu_equal_plain_ones():
+    """Logprobs of accepted tokens and a frequency penalty that changes with every draft a position
+    counts: the same tokens and logprobs (to float tolerance) as plain decoding with graphs."""
+    model = tiny_model(std=0.1)
+    inputs = [{"prompt_token_ids": p} for p in _prompts(700)[:32]]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, logprobs=3, frequency_penalty=0.1)
+    plain = LLM(str(model), device="cuda").generate(inputs, params, use_tqdm=False)
+    llm = LLM(str(model), device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    spec = llm.generate(inputs, params, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    for p, s in zip(plain, spec):
+        assert s.outputs[0].token_ids == p.outputs[0].token_ids
+        for p_entries, s_entries in zip(p.outputs[0].logprobs, s.outputs[0].logprobs):
+            assert set(s_entries) == set(p_entries)
+            for token_id, entry in p_entries.items():
+                assert s_entries[token_id].logprob == pytest.approx(entry.logprob, abs=1e-3)

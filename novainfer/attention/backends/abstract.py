@@ -53,6 +53,10 @@ class AttentionBackend(ABC):
         """Stores ``key``/``value`` [T, Hkv, D] into the caches at ``slot_mapping``, then attends
         ``query`` [T, Hq, D] causally over each sequence's cached context. Returns [T, Hq, D]."""
 
+    def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Compiles every kernel variant a step may launch on caches like these with ``num_heads`` query
+        heads, so that no step of a workload pays for a first launch (nothing to do by default)."""
+
     def forward_rotary(self, positions: torch.Tensor, rotary_emb: RotaryEmbedding, query: torch.Tensor,
                        key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        metadata: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from novainfer.attention.backends.abstract import AttentionBackend, AttentionMetadata
-from novainfer.attention.ops import (choose_num_splits, decode_attention, decode_workspace_shape, prefill_attention,
-                                     reshape_and_cache, rotary_embedding_and_cache)
+from novainfer.attention.ops import (MAX_SPLITS, choose_num_splits, decode_attention, decode_workspace_shape,
+                                     prefill_attention, reshape_and_cache, rotary_embedding_and_cache)
 
 # The Triton interpreter (CPU tensors) has no SM count; any small number exercises the same paths.
 _INTERPRETER_SMS = 8
@@ -109,6 +109,28 @@ class TritonAttentionBackend(AttentionBackend):
         rotary_embedding_and_cache(positions, query, key, value, k_cache, v_cache, metadata.slot_mapping,
                                    rotary_emb.cos_cached, rotary_emb.sin_cached)
         return self._attend(query, k_cache, v_cache, metadata, scale)
+
+    def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Launches each variant once on one sequence of one token in block 0 (the kernels only read the
+        caches): the prefill kernel with and without decodes to skip, and the decode kernel for decode-only
+        and mixed steps, unsplit and at every split count's compiled size (its reduction is specialized
+        to the split count's power of two). Which of these a step uses depends on its decodes' number
+        and lengths, so an eager step beyond the captured ones could otherwise compile mid-run."""
+        device, head_size = k_cache.device, k_cache.shape[3]
+        query = torch.zeros(1, num_heads, head_size, dtype=k_cache.dtype, device=device)
+        out = torch.empty_like(query)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        for skip_decodes in (False, True):
+            prefill_attention(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, 1.0,
+                              skip_decodes=skip_decodes)
+        num_splits = 1
+        while num_splits <= MAX_SPLITS:
+            for start_loc in (None, query_start_loc):
+                decode_attention(query, k_cache, v_cache, out, seq_lens, block_tables, 1.0, num_splits,
+                                 query_start_loc=start_loc)
+            num_splits *= 2
 
     @staticmethod
     def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,

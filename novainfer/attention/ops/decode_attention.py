@@ -24,6 +24,7 @@ from novainfer.attention.ops.common import (check_kv_cache, check_out, dot_preci
                                            scale_log2, unit_last_stride)
 from novainfer.attention.ops.paged_tile import attend_paged_tile
 from novainfer.layers.ops.common import cdiv, next_power_of_2
+from novainfer.layers.ops.launcher import KernelLauncher
 
 MAX_SPLITS = 64
 # Programs per SM the split count aims for: on an H200 (132 SMs) about 512 programs in all was
@@ -56,7 +57,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, head_size: int, max_seq_
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
-@triton.jit(do_not_specialize=["scale_log2", "num_splits"])
+# Not specialized on the block table's row stride: it follows the step buffers' capacity, and start-up
+# compiles each variant once with a table of its own (see TritonAttentionBackend.warm_up).
+@triton.jit(do_not_specialize=["scale_log2", "num_splits", "stride_block_table"])
 def _decode_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, scale_log2, num_splits, stride_q_t, stride_q_h, stride_out_t, stride_out_h,
@@ -113,6 +116,9 @@ def _decode_attention_kernel(
         tl.store(part_lse_ptr + part, lse, mask=group < QUERIES_PER_KV)
 
 
+_launch_decode_attention = KernelLauncher(_decode_attention_kernel)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_splits, stride_out_t,
                           stride_out_h, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -137,6 +143,9 @@ def _reduce_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_p
     out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_out_t + head * stride_out_h + dim, out.to(out_ptr.dtype.element_ty),
              mask=dim < HEAD_SIZE)
+
+
+_launch_reduce_splits = KernelLauncher(_reduce_splits_kernel)
 
 
 def decode_workspace_shape(num_seqs: int, num_heads: int, head_size: int, num_splits: int):
@@ -176,7 +185,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     group = queries_per_kv(num_heads, num_kv_heads)
     qsl = seq_lens if decode_only else query_start_loc  # unused in a decode-only launch
     config = config or decode_tile_config(head_size)
-    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _launch_decode_attention[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qsl, scale_log2(scale),
         num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -185,7 +194,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         SPLIT_K=num_splits > 1, DECODE_ONLY=decode_only, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
-        _reduce_splits_kernel[(num_seqs, num_heads)](
+        _launch_reduce_splits[(num_seqs, num_heads)](
             out, part_out, part_lse, qsl, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad(head_size),
             SPLITS_PAD=next_power_of_2(num_splits), DECODE_ONLY=decode_only, num_warps=1)

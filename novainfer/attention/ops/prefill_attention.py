@@ -25,6 +25,7 @@ from novainfer.attention.ops.common import (check_kv_cache, check_out, dot_preci
                                            scale_log2, unit_last_stride)
 from novainfer.attention.ops.paged_tile import attend_paged_tile
 from novainfer.layers.ops.common import next_power_of_2
+from novainfer.layers.ops.launcher import KernelLauncher
 
 
 @triton.jit
@@ -41,7 +42,8 @@ def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "scale_log2"])
+# Not specialized on the block table's row stride (see the decode kernel).
+@triton.jit(do_not_specialize=["num_seqs", "scale_log2", "stride_block_table"])
 def _prefill_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs,
         scale_log2, stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_cache_block, stride_cache_slot,
@@ -98,6 +100,9 @@ def _prefill_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+_launch_prefill_attention = KernelLauncher(_prefill_attention_kernel)
+
+
 @dataclass(frozen=True)
 class PrefillTileConfig:
     block_m: int  # query rows (tokens x heads of one KV group) per program
@@ -136,7 +141,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_m = max(config.block_m, next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _prefill_attention_kernel[grid](
+    _launch_prefill_attention[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, scale_log2(scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

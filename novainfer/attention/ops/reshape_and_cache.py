@@ -13,6 +13,7 @@ import triton.language as tl
 
 from novainfer.attention.ops.common import check_kv_cache, unit_last_stride
 from novainfer.layers.ops.common import next_power_of_2
+from novainfer.layers.ops.launcher import KernelLauncher
 from novainfer.layers.ops.rotary_embedding import check_rope_operands, rope_angles, rotate_heads
 
 
@@ -49,6 +50,9 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
              mask=mask)
 
 
+_launch_reshape_and_cache = KernelLauncher(_reshape_and_cache_kernel)
+
+
 def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor, query: torch.Tensor | None, positions: torch.Tensor | None,
               cos_cached: torch.Tensor | None, sin_cached: torch.Tensor | None) -> None:
@@ -59,7 +63,7 @@ def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_c
     key, value = unit_last_stride(key), unit_last_stride(value)
     rope = query is not None
     num_q_heads = query.shape[1] if rope else 0
-    _reshape_and_cache_kernel[(num_tokens,)](
+    _launch_reshape_and_cache[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, query, positions, cos_cached, sin_cached,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), query.stride(0) if rope else 0,
         query.stride(1) if rope else 0, cos_cached.stride(0) if rope else 0,

@@ -19,7 +19,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.messages import EngineCoreOutput
@@ -69,8 +69,11 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # Entry i: drafts accepted at draft position i (the first draft of a step is position 0).
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -83,9 +86,12 @@ class Scheduler:
         self._workers_know: set[str] = set()  # requests whose state the workers hold
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions_total = 0
-        # Speculative decoding: drafts verified, and accepted, since start.
+        # Speculative decoding since start: requests' steps with drafts, draft tokens verified and
+        # accepted, and accepted drafts by position.
+        self.num_drafts_total = 0
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
+        self.num_accepted_tokens_per_pos: list[int] = []
         self.max_context_len = min(config.max_model_len, kv_cache_manager.num_blocks * kv_cache_manager.block_size)
 
     # ---- queue management --------------------------------------------------------------------
@@ -260,13 +266,13 @@ class Scheduler:
                                        request.num_computed_tokens))
 
     def update_from_output(self, req_ids: Iterable[str], sampled_token_ids: Iterable[list[int]],
-                           logprobs: Iterable[tuple[list[int], list[float], int] | None] | None = None
+                           logprobs: Iterable[list[tuple[list[int], list[float], int]] | None] | None = None
                            ) -> list[EngineCoreOutput]:
         """Fills in a step's sampled tokens (per request: one, or with speculative decoding its
         accepted drafts and one more), applies the token-level stop conditions token by token and
         frees the requests they end; returns one output per request that got tokens. A stop ends
         a request at its token: the tokens after it are dropped. ``logprobs``: per request, those
-        of its token (steps with logprobs sample one token per request).
+        of each of its tokens (or None).
 
         Requests finished since the step was scheduled are skipped. A request preempted since
         then keeps its tokens: they are part of what it recomputes when it resumes.
@@ -278,7 +284,7 @@ class Scheduler:
                 continue
             if request.spec_token_ids:
                 self._take_back_rejected(request, len(tokens) - 1)
-            output = EngineCoreOutput(rid, [], None if token_logprobs is None else [token_logprobs])
+            output = EngineCoreOutput(rid, [], token_logprobs)
             for token in tokens:
                 request.append_output_token(token)
                 output.new_token_ids.append(token)
@@ -291,6 +297,8 @@ class Scheduler:
                     output.finish_reason = request.get_finished_reason()
                     output.stop_reason = request.stop_reason
                     break
+            if token_logprobs is not None:
+                del token_logprobs[len(output.new_token_ids):]  # those of the tokens dropped after a stop
             outputs.append(output)
         return outputs
 
@@ -301,11 +309,19 @@ class Scheduler:
         block holding a rejected draft gets registered."""
         num_drafts = len(request.spec_token_ids)
         request.spec_token_ids = []
-        self.num_draft_tokens_total += num_drafts
-        self.num_accepted_tokens_total += num_accepted
+        self._count_verified(num_drafts, num_accepted)
         if request.status == RequestStatus.RUNNING:
             request.num_computed_tokens -= num_drafts - num_accepted
             self.kv_cache_manager.truncate(request.request_id, request.num_computed_tokens)
+
+    def _count_verified(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts_total += 1
+        self.num_draft_tokens_total += num_drafts
+        self.num_accepted_tokens_total += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """Token-level stop conditions after a new token: EOS/stop ids, max_tokens, context length.
@@ -325,5 +341,6 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         stats = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
-                              stats.queries, stats.hits, self.num_preemptions_total, self.num_draft_tokens_total,
-                              self.num_accepted_tokens_total)
+                              stats.queries, stats.hits, self.num_preemptions_total, self.num_drafts_total,
+                              self.num_draft_tokens_total, self.num_accepted_tokens_total,
+                              list(self.num_accepted_tokens_per_pos))

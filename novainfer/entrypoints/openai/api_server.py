@@ -120,12 +120,13 @@ def _routes() -> APIRouter:
             if not body.messages:
                 raise OpenAIError("messages must not be empty", param="messages")
             messages = plain_messages(body.messages)
-            check_before_tokenizing(messages_chars(messages), None, model.max_model_len, "messages")
+            chars = messages_chars(messages)
+            check_before_tokenizing(chars, None, model.max_model_len, "messages")
             tokens = await model.run_tokenizer(render_chat, model, messages, body.add_generation_prompt,
-                                               body.allow_special_tokens_in_content)
+                                               body.allow_special_tokens_in_content, size=chars)
         else:
             check_before_tokenizing(len(body.prompt), None, model.max_model_len, "prompt")
-            tokens = await model.run_tokenizer(model.tokenizer.encode, body.prompt,
+            tokens = await model.run_tokenizer(model.tokenizer.encode, body.prompt, size=len(body.prompt),
                                                add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=model.max_model_len, tokens=tokens)
 
@@ -138,7 +139,8 @@ def _routes() -> APIRouter:
         bad = next((t for t in body.tokens if not 0 <= t < model.vocab_size), None)
         if bad is not None:
             raise OpenAIError(f"tokens must be in [0, {model.vocab_size}), got {bad}", param="tokens")
-        return DetokenizeResponse(prompt=await model.run_tokenizer(model.tokenizer.decode, body.tokens))
+        return DetokenizeResponse(prompt=await model.run_tokenizer(model.tokenizer.decode, body.tokens,
+                                                                   size=len(body.tokens)))
 
     @router.get("/health", response_model=HealthResponse, responses=_OPEN_ERRORS)
     async def health(request: Request) -> Response:

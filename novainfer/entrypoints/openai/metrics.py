@@ -70,10 +70,19 @@ class EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Requests preempted.", "num_preemptions_total")
         yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache.", "prefix_cache_queries_total")
         yield counter("prefix_cache_hits", "Tokens found in the prefix cache.", "prefix_cache_hits_total")
+        yield counter("spec_decode_num_drafts", "Requests' steps with draft tokens (speculative decoding).",
+                      "spec_decode_num_drafts_total")
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
                       "spec_decode_num_draft_tokens_total")
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
                       "spec_decode_num_accepted_tokens_total")
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the step's drafts (from 0).",
+                                      labels=["model_name", "position"])
+        for model, s in stats.items():
+            for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos_total):
+                per_pos.add_metric([model, str(position)], float(count))
+        yield per_pos
         finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish reason.",
                                        labels=["model_name", "finished_reason"])
         for model, s in stats.items():

@@ -32,8 +32,9 @@ class ServerProcess:
     """
 
     def __init__(self, args: list[str], startup_timeout: float = 120.0,
-                 cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+                 cwd: Path | None = None, env: dict[str, str] | None = None, log_level: str | None = None) -> None:
         self.args = list(args)
+        self.log_level = log_level
         self.extra_env = dict(env or {})
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -62,7 +63,8 @@ class ServerProcess:
         env.pop("NOVAINFER_API_KEY", None)  # only an explicit --api-key turns auth on in tests
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.extra_env)
-        cmd = [sys.executable, "-m", "novainfer.entrypoints.cli.main", "serve", *self.args,
+        level = ["--log-level", self.log_level] if self.log_level else []
+        cmd = [sys.executable, "-m", "novainfer.entrypoints.cli.main", *level, "serve", *self.args,
                "--host", "127.0.0.1", "--port", str(self.port)]
         self._log_start = Path(self._log.name).stat().st_size
         self.proc = subprocess.Popen(cmd, cwd=self.cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)

@@ -100,9 +100,10 @@ class ChatHandler(GenerationHandler):
             session = self.ctx.sessions.get(owner, body.session_id)
             history = list(session.messages) if session is not None else []
         self.messages = history + new_messages
-        check_before_tokenizing(messages_chars(self.messages), max_tokens, model.max_model_len, "messages")
+        chars = messages_chars(self.messages)
+        check_before_tokenizing(chars, max_tokens, model.max_model_len, "messages")
         prompt = await model.run_tokenizer(render_chat, model, self.messages, True,
-                                           body.allow_special_tokens_in_content)
+                                           body.allow_special_tokens_in_content, size=chars)
         check_lengths(len(prompt), max_tokens, model.max_model_len, "messages")
         return [prompt], sampling_params(body, max_tokens, self.top_logprobs)
 

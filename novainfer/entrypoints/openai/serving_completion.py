@@ -62,7 +62,7 @@ class CompletionHandler(GenerationHandler):
         raw = split_prompts(body.prompt)
         for p in raw:  # token-id prompts are checked the same way: one id counts as one character
             check_before_tokenizing(len(p), body.max_tokens, model.max_model_len, "prompt")
-        prompts = await model.run_tokenizer(tokenize_prompts, model, raw)
+        prompts = await model.run_tokenizer(tokenize_prompts, model, raw, size=sum(len(p) for p in raw))
         for ids in prompts:
             check_lengths(len(ids), body.max_tokens, model.max_model_len, "prompt")
         return prompts, sampling_params(body, body.max_tokens, body.logprobs)

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from novainfer.layers.ops.common import cdiv, next_power_of_2
+from novainfer.layers.ops.launcher import KernelLauncher
 
 
 @triton.jit
@@ -22,6 +23,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_silu_and_mul = KernelLauncher(_silu_and_mul_kernel)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x`` [..., 2d] with a contiguous last dim -> [..., d]."""
     d = x.shape[-1] // 2
@@ -31,6 +35,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2d.shape[0], d, dtype=x.dtype, device=x.device)
     if x2d.shape[0] and d:
         block = min(1024, next_power_of_2(d))
-        _silu_and_mul_kernel[(x2d.shape[0], cdiv(d, block))](
+        _launch_silu_and_mul[(x2d.shape[0], cdiv(d, block))](
             x2d, out, x2d.stride(0), out.stride(0), d, BLOCK=block, num_warps=4 if block >= 512 else 1)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], d)

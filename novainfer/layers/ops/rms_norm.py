@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from novainfer.layers.ops.common import next_power_of_2
+from novainfer.layers.ops.launcher import KernelLauncher
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -30,6 +31,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_rms_norm = KernelLauncher(_rms_norm_kernel)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """``weight * norm(x)``; with ``residual``: ``(weight * norm(x + residual), x + residual)``.
 
@@ -38,23 +42,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """
     hidden_size = x.shape[-1]
     x2d = _rows(x, hidden_size)
-    num_rows = x2d.shape[0]
     out_dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
     residual_out = residual2d = None
     if residual is not None:
         residual2d = _rows(residual, hidden_size)
         residual_out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
-    if num_rows:
-        block = next_power_of_2(hidden_size)
-        _rms_norm_kernel[(num_rows,)](
-            x2d, residual2d, weight, out, residual_out, x2d.stride(0),
-            0 if residual2d is None else residual2d.stride(0), out.stride(0),
-            0 if residual_out is None else residual_out.stride(0), hidden_size, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    _launch(x2d, residual2d, weight, out, residual_out, eps)
     if x.dim() != 2:  # the model's activations are [T, hidden] already: no view ops per layer for them
         out, residual_out = out.view(x.shape), None if residual_out is None else residual_out.view(x.shape)
     return out if residual is None else (out, residual_out)
+
+
+def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` with ``residual`` written over its inputs: ``residual`` becomes ``x +
+    residual`` and ``x`` becomes ``weight * norm(x + residual)``, the same values; returns ``(x,
+    residual)``. No allocation: a decoder layer never reads either input again. ``x`` and
+    ``residual`` are distinct [T, hidden] tensors with a contiguous last dim, of ``weight``'s dtype."""
+    if x.dim() != 2 or residual.shape != x.shape or x.stride(-1) != 1 or residual.stride(-1) != 1:
+        raise ValueError(f"in-place RMSNorm needs x and residual of one shape [T, hidden] with a contiguous last "
+                         f"dim, got {tuple(x.shape)} strides {x.stride()} and {tuple(residual.shape)} strides "
+                         f"{residual.stride()}")
+    if weight.dtype != x.dtype or residual.dtype != x.dtype:
+        raise ValueError(f"in-place RMSNorm needs one dtype, got x {x.dtype}, residual {residual.dtype} and "
+                         f"weight {weight.dtype}")
+    if x.data_ptr() == residual.data_ptr() and x.numel():
+        raise ValueError("in-place RMSNorm needs x and residual in different memory")
+    _launch(x, residual, weight, x, residual, eps)
+    return x, residual
+
+
+def _launch(x2d: torch.Tensor, residual2d: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+            residual_out: torch.Tensor | None, eps: float) -> None:
+    """One program per row; each program reads its row before writing it, so outputs may be the inputs."""
+    num_rows, hidden_size = x2d.shape
+    if not num_rows:
+        return
+    block = next_power_of_2(hidden_size)
+    _launch_rms_norm[(num_rows,)](
+        x2d, residual2d, weight, out, residual_out, x2d.stride(0),
+        0 if residual2d is None else residual2d.stride(0), out.stride(0),
+        0 if residual_out is None else residual_out.stride(0), hidden_size, eps,
+        HAS_RESIDUAL=residual2d is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
 
 
 def _rows(x: torch.Tensor, hidden_size: int) -> torch.Tensor:

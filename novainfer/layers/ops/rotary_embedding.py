@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from novainfer.layers.ops.common import next_power_of_2
+from novainfer.layers.ops.launcher import KernelLauncher
 
 
 @triton.jit
@@ -54,6 +55,9 @@ def _rotary_embedding_kernel(positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stri
     rotate_heads(k_row, k_row, stride_k_h, stride_k_h, num_k_heads, cos, sin, HALF, HALF_PAD, K_HEADS_PAD)
 
 
+_launch_rotary_embedding = KernelLauncher(_rotary_embedding_kernel)
+
+
 def check_rope_operands(query: torch.Tensor, key: torch.Tensor) -> None:
     """The kernels address heads through strides but need each head's elements contiguous."""
     if query.stride(-1) != 1 or key.stride(-1) != 1:
@@ -74,7 +78,7 @@ def rotary_embedding_(positions: torch.Tensor, query: torch.Tensor, key: torch.T
     if num_tokens == 0:
         return
     half = head_size // 2
-    _rotary_embedding_kernel[(num_tokens,)](
+    _launch_rotary_embedding[(num_tokens,)](
         positions, query, key, cos_cached, sin_cached, query.stride(0), query.stride(1), key.stride(0),
         key.stride(1), cos_cached.stride(0), num_q_heads, key.shape[1], HALF=half,
         HALF_PAD=next_power_of_2(half), Q_HEADS_PAD=next_power_of_2(num_q_heads),

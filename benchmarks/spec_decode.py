@@ -1,0 +1,279 @@
+"""Speculative decoding: decode time per token and offline throughput, with and without it.
+
+Every figure comes with the acceptance measured in the run that gave it (never assumed): the
+acceptance rate (accepted / draft tokens), the mean accepted length (tokens a request gets from a
+step with drafts: its accepted drafts and one more) and the acceptance rate at each draft position,
+from the engine's counters over the timed runs only.
+
+* ``decode``: for each ``--batch-sizes`` B, B requests of ``--input-len`` prompt tokens generate
+  ``--output-len`` tokens each (greedy, EOS ignored). A prompt is a random passage of
+  ``--passage-len`` tokens repeated to its length (``--prompt-kind repeated``: text that n-gram
+  lookup can copy; the presets' random weights make greedy outputs cycle as well) or random tokens
+  (``--prompt-kind random``). Decode ms per token = (median time of the whole generate - median
+  time of the same requests generating one token, i.e. the prefill) / (output_len - 1): the
+  time of one decode step of the batch (every request gets one token per plain step).
+* ``throughput``: benchmarks/throughput.py's runner on its nano-vllm workload (random prompts,
+  uniform lengths, token ids only; its flags keep throughput.py's names, with nano-vllm's lengths),
+  speculation on (the configuration's ``disable_by_batch_size`` as given, else its default)
+  against off; the median of ``--repeats`` runs.
+
+Both sides run the same engine arguments; the one with speculation adds ``--speculative-config``
+(default: n-gram, 4 tokens). Greedy outputs are compared between the sides (they should be equal:
+the figure of a run whose outputs differ is reported with that flag). The engines run one after
+the other; each is shut down and its memory released before the next one starts.
+
+    python benchmarks/spec_decode.py                       # tiny model on CPU
+    python benchmarks/spec_decode.py --arch qwen2-0.5b     # a real architecture on the GPU
+    python benchmarks/spec_decode.py --arch qwen2-0.5b --speculative-config \\
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import throughput
+from benchmarks.common import add_engine_arguments, add_model_arguments, add_output_arguments, engine_kwargs, \
+    greedy_params, load_average, make_workload, release_device_memory, resolve_model_args, run_facts, scrub_path, \
+    write_results
+
+DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+MODES = ("decode", "throughput")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_arguments(p)
+    add_engine_arguments(p)
+    p.set_defaults(speculative_config=DEFAULT_SPECULATIVE_CONFIG)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="what to measure")
+    d = p.add_argument_group("decode")
+    d.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="requests decoding together")
+    d.add_argument("--input-len", type=int, default=256, help="prompt tokens")
+    d.add_argument("--output-len", type=int, default=256, help="new tokens per request (EOS ignored)")
+    d.add_argument("--prompt-kind", default="repeated", choices=["repeated", "random"],
+                   help="repeated: a random passage repeated to the prompt's length; random: random tokens")
+    d.add_argument("--passage-len", type=int, default=32, help="--prompt-kind repeated: tokens of the passage")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed runs of each decode measurement first (throughput: a warm-up run if > 0)")
+    t = p.add_argument_group("throughput (benchmarks/throughput.py's workload)")
+    t.add_argument("--num-seqs", type=int, default=256)
+    t.add_argument("--min-input", type=int, default=100)
+    t.add_argument("--max-input", type=int, default=1024)
+    t.add_argument("--min-output", type=int, default=100)
+    t.add_argument("--max-output", type=int, default=1024)
+    t.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs compared between the sides)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workloads' random draws")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; medians are reported")
+    add_output_arguments(p, "spec_decode_<device>_<model>")
+    args = p.parse_args(argv)
+    if max(args.batch_sizes) > args.max_num_seqs:
+        p.error(f"--batch-sizes {max(args.batch_sizes)} is more than --max-num-seqs {args.max_num_seqs}")
+    for flag in ("input_len", "passage_len", "repeats", "num_seqs"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.output_len < 2 or args.warmup < 0 or min(args.batch_sizes) < 1:
+        p.error(f"need --output-len >= 2, --warmup >= 0 and --batch-sizes >= 1, got {args.output_len}, "
+                f"{args.warmup} and {args.batch_sizes}")
+    return args
+
+
+# ---- acceptance -------------------------------------------------------------------------------------
+@dataclass
+class SpecCounts:
+    """The engine's speculative decoding counters at one moment."""
+
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_pos: list[int]
+
+    @classmethod
+    def of(cls, llm) -> SpecCounts:
+        s = llm.llm_engine.get_stats()
+        return cls(s.spec_decode_num_drafts_total, s.spec_decode_num_draft_tokens_total,
+                   s.spec_decode_num_accepted_tokens_total, list(s.spec_decode_num_accepted_tokens_per_pos_total))
+
+    def since(self, before: SpecCounts) -> dict[str, Any]:
+        """The acceptance figures of what happened between ``before`` and this."""
+        drafts, draft_tokens = self.drafts - before.drafts, self.draft_tokens - before.draft_tokens
+        accepted = self.accepted_tokens - before.accepted_tokens
+        earlier = before.accepted_per_pos + [0] * (len(self.accepted_per_pos) - len(before.accepted_per_pos))
+        per_pos = [now - then for now, then in zip(self.accepted_per_pos, earlier)]
+        return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+                "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
+                "mean_accepted_length": round(1 + accepted / drafts, 4) if drafts else None,
+                "acceptance_rate_per_position": [round(n / drafts, 4) if drafts else None for n in per_pos]}
+
+
+# ---- decode ms/token --------------------------------------------------------------------------------
+def decode_prompts(args: argparse.Namespace, vocab_size: int, batch_size: int) -> list[list[int]]:
+    """One prompt per request, each of its own random draws."""
+    passage_len = args.passage_len if args.prompt_kind == "repeated" else args.input_len
+    passages = make_workload(batch_size, vocab_size, passage_len, passage_len, 1, 1, seed=args.seed).prompts
+    return [(passage * -(-args.input_len // passage_len))[:args.input_len] for passage in passages]
+
+
+def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds of one ``LLM.generate`` of ``prompts`` (prefix cache emptied first), and its tokens."""
+    if not llm.llm_engine.engine_core.kv_cache_manager.reset_prefix_cache():
+        raise RuntimeError("could not empty the prefix cache (blocks still in use)")
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(max_tokens), use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    if any(len(t) != max_tokens for t in tokens):
+        raise RuntimeError(f"a request produced other than {max_tokens} tokens")
+    return seconds, tokens
+
+
+def measure_decode(llm, prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict[str, Any], list]:
+    """Decode ms per token of a batch (see the module docstring) and the acceptance of its timed runs."""
+    for _ in range(args.warmup):
+        timed_generate(llm, prompts, args.output_len)
+    before = SpecCounts.of(llm)
+    runs = [timed_generate(llm, prompts, args.output_len) for _ in range(args.repeats)]
+    acceptance = SpecCounts.of(llm).since(before)
+    full, tokens = [seconds for seconds, _ in runs], runs[-1][1]
+    prefill = [timed_generate(llm, prompts, 1)[0] for _ in range(args.warmup + args.repeats)][args.warmup:]
+    decode_s = statistics.median(full) - statistics.median(prefill)
+    result = {"ms_per_token": round(1e3 * decode_s / (args.output_len - 1), 4),
+              "generate_s_median": round(statistics.median(full), 4),
+              "prefill_s_median": round(statistics.median(prefill), 4),
+              "generate_s_runs": [round(s, 4) for s in full], **acceptance}
+    return result, tokens
+
+
+# ---- the two sides ----------------------------------------------------------------------------------
+def start_engine(args: argparse.Namespace, model_dir: str, speculative: bool):
+    from novainfer import LLM
+
+    return LLM(model_dir, **{**engine_kwargs(args), "speculative_config": args.speculative_config if speculative
+                             else None})
+
+
+def engine_facts(llm) -> dict[str, Any]:
+    config = llm.llm_engine.config
+    spec = config.speculative_config
+    return {"async_scheduling": config.scheduler_config.async_scheduling,
+            "speculative_config": None if spec is None else dataclasses.asdict(spec),
+            "dtype": str(llm.llm_engine.model_config.torch_dtype).removeprefix("torch."),
+            "device": str(config.device)}
+
+
+def close(llm, device) -> None:
+    llm.shutdown()
+    release_device_memory(device)
+
+
+def run_decode(args: argparse.Namespace, model_dir: str, vocab_size: int, device) -> dict[str, Any]:
+    batches = {b: decode_prompts(args, vocab_size, b) for b in args.batch_sizes}
+    sides: dict[str, dict[int, tuple[dict[str, Any], list]]] = {}
+    facts = {}
+    for side in ("off", "on"):
+        llm = start_engine(args, model_dir, side == "on")
+        facts[side] = engine_facts(llm)
+        sides[side] = {}
+        for b, prompts in batches.items():
+            sides[side][b] = measure_decode(llm, prompts, args)
+            print(f"  decode batch {b}, speculation {side}: {sides[side][b][0]['ms_per_token']:.3f} ms/token, "
+                  f"acceptance rate {sides[side][b][0]['acceptance_rate']}", flush=True)
+        close(llm, device)
+    figures = {}
+    for b in args.batch_sizes:
+        (off, off_tokens), (on, on_tokens) = sides["off"][b], sides["on"][b]
+        figures[f"batch_{b}"] = {"batch_size": b, "off": off, "on": on,
+                                 "speedup": round(off["ms_per_token"] / on["ms_per_token"], 3)
+                                 if on["ms_per_token"] > 0 else None,
+                                 "acceptance_rate": on["acceptance_rate"],
+                                 "greedy_outputs_identical": off_tokens == on_tokens}
+    return {"workload": {"input_len": args.input_len, "output_len": args.output_len, "prompt_kind": args.prompt_kind,
+                         "passage_len": args.passage_len if args.prompt_kind == "repeated" else None,
+                         "greedy": True, "ignore_eos": True, "warmup_runs": args.warmup, "repeats": args.repeats,
+                         "ms_per_token": "(median generate s - median prefill-only s) / (output_len - 1)"},
+            "engines": facts, "figures": figures}
+
+
+def run_throughput(args: argparse.Namespace, model_dir: str, vocab_size: int, device) -> dict[str, Any]:
+    """throughput.py's NovaInfer runner with and without speculation on its workload."""
+    # throughput.py's settings where this script has none (sampling but temperature, tokenizer), token ids
+    # only (text is the same work with speculation or without).
+    targs = argparse.Namespace(**{**vars(throughput.parse_args(["--peer", "none"])), **vars(args),
+                                  "detokenize": False})
+    workload = make_workload(args.num_seqs, vocab_size, args.min_input, args.max_input, args.min_output,
+                             args.max_output, seed=args.seed)
+    sides, tokens = {}, {}
+    for side in ("off", "on"):
+        targs.speculative_config = args.speculative_config if side == "on" else None
+        runner = throughput.NovaInferRunner(targs, model_dir, workload)
+        runs = []
+        for _ in range(args.repeats):
+            before = SpecCounts.of(runner.llm)
+            result, tokens[side] = runner.run()
+            runs.append({**result, **SpecCounts.of(runner.llm).since(before)})
+        median = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
+        sides[side] = {**median, "engine": engine_facts(runner.llm),
+                       "output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in runs]}
+        print(f"  throughput, speculation {side}: {median['output_tokens_per_s']:.1f} output tok/s, "
+              f"acceptance rate {median['acceptance_rate']}", flush=True)
+        runner.close()
+        release_device_memory(device)
+    return {"workload": workload.describe(), "sampling": throughput.sampling_settings(targs),
+            "off": sides["off"], "on": sides["on"],
+            "on_over_off": round(sides["on"]["output_tokens_per_s"] / sides["off"]["output_tokens_per_s"], 4),
+            "acceptance_rate": sides["on"]["acceptance_rate"],
+            "greedy_outputs_identical": tokens["off"] == tokens["on"] if args.temperature == 0 else None}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from novainfer.config import resolve_device
+
+    device = resolve_device(args.device)
+    model_dir, tag, summary = resolve_model_args(args, device)
+    print(f"model {scrub_path(model_dir)} on {device}; speculative config {args.speculative_config}", flush=True)
+    load_at_start = load_average()
+    results: dict[str, Any] = {"benchmark": "speculative decoding: decode ms/token and offline throughput, on "
+                                            "against off", "model": summary,
+                               "speculative_config": args.speculative_config}
+    if "decode" in args.modes:
+        results["decode"] = run_decode(args, model_dir, summary["vocab_size"], device)
+    if "throughput" in args.modes:
+        results["throughput"] = run_throughput(args, model_dir, summary["vocab_size"], device)
+    facts = run_facts(device, load_at_start, argv, __file__)
+    results = {"gpu": facts.pop("gpu"), **results, **facts}
+    print_summary(results)
+    path = write_results(args.output or f"spec_decode_{device.type}_{tag}", results, args.results_dir)
+    print(f"results: {scrub_path(str(path))}")
+    return results
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    print(f"\n{'':28} {'off':>12} {'on':>12} {'on vs off':>10} {'acceptance':>11} {'mean len':>9}")
+    for name, f in results.get("decode", {}).get("figures", {}).items():
+        print(f"{'decode ms/token ' + name:28} {f['off']['ms_per_token']:12.3f} {f['on']['ms_per_token']:12.3f} "
+              f"{f['speedup']:9.2f}x {_fmt(f['on']['acceptance_rate']):>11} {_fmt(f['on']['mean_accepted_length']):>9}")
+    t = results.get("throughput")
+    if t is not None:
+        print(f"{'throughput output tok/s':28} {t['off']['output_tokens_per_s']:12.1f} "
+              f"{t['on']['output_tokens_per_s']:12.1f} {t['on_over_off']:9.3f}x {_fmt(t['acceptance_rate']):>11} "
+              f"{_fmt(t['on']['mean_accepted_length']):>9}")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+if __name__ == "__main__":
+    main()

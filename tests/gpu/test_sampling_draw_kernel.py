@@ -1,0 +1,164 @@
+"""The fused whole-vocabulary draw and the rank count (Triton, novainfer.sample.ops) against the torch
+sampler they replace on CUDA. On a GPU, or on CPU tensors under ``TRITON_INTERPRET=1``.
+
+Oracles: for the same Exp(1) noise, the torch path's token (min_tokens, penalties, then argmax for
+greedy rows and the exponential race over softmax(logits / temperature) for the others); the
+log-sum-exp of the raw logits (``torch.logsumexp``, within 1e-5 absolute: float32 sums in another
+order and ``exp``/``log`` within a few ulps); ranks counted with ``>`` over the whole row. On a GPU
+also: the sampler's CUDA path gives the CPU sampler's tokens for seeded and greedy rows, logprobs
+equal to ``log_softmax`` of the logits within the same tolerance, and draws that follow the
+distribution (the bounds of tests/test_sampler.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
+from novainfer.sample.ops import count_greater, draw_whole_vocabulary  # noqa: E402
+from novainfer.sample.rng import exponential_noise_torch  # noqa: E402
+from novainfer.sample.sampler import apply_penalties_and_min_tokens, random_sample, sampling_probs  # noqa: E402
+from novainfer.sampling_params import SamplingParams  # noqa: E402
+from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
+from tests.test_sampler import NUM_DRAWS, PROBS, TEMPERED, TOLERANCE  # noqa: E402
+
+pytestmark = MARKS
+
+# Under the interpreter: a small vocabulary cut into several chunks with a partial last one.
+VOCAB, BLOCK = (1000, 256) if INTERPRET else (151_936, 4096)
+LSE_ATOL = 1e-5
+STOP_IDS = [3, 700, VOCAB - 1]
+
+PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0),  # ties across chunks
+    SamplingParams(temperature=0.0, repetition_penalty=2.0),  # a tie made by the penalty
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.3, seed=7),
+    SamplingParams(temperature=0.8, repetition_penalty=1.1, seed=8),
+    SamplingParams(temperature=1.0, repetition_penalty=0.7, frequency_penalty=0.4, presence_penalty=0.6),
+    SamplingParams(temperature=0.0, frequency_penalty=-0.3, presence_penalty=1.5),
+    SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=STOP_IDS, seed=9),
+    SamplingParams(temperature=0.9),  # all but three logits -inf
+]
+
+
+def batch(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, SamplingMetadata]:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(PARAMS), VOCAB, generator=generator) * 3
+    top = logits.max() + 1
+    logits[1, [BLOCK + 5, 2 * BLOCK + 9]] = top  # equal maxima in two chunks: the lower id wins
+    logits[2] = logits[2].clamp(max=1.0)
+    logits[2, 50], logits[2, 40] = 3.0, 1.5  # 3.0 / 2 (token 50 is in the prompt) ties 1.5 at a lower id
+    logits[9] = float("-inf")
+    logits[9, [2, BLOCK + 1, VOCAB - 2]] = torch.tensor([0.5, 0.0, 1.0])
+    logits[8, STOP_IDS] = top  # forbidden by min_tokens
+    # Row 7's output has token 10 three times and 20 once: 10 ends at top - 0.6, 20 at top - 1.2.
+    logits[7, [10, 20, 30]] = torch.tensor([top, top, top - 1.0])
+    prompts = [torch.randint(0, VOCAB, (40,), generator=generator).tolist() for _ in PARAMS]
+    prompts[2] = [50]
+    # Few distinct tokens, so that some occur several times (counts above 1).
+    outputs = [torch.randint(0, 60, (20,), generator=generator).tolist() for _ in PARAMS]
+    outputs[8] = outputs[8][:2]
+    outputs[2] = []
+    outputs[7] = [10, 10, 10, 20]
+    metadata = SamplingMetadata.from_requests(PARAMS, outputs, prompts, DEVICE, VOCAB)
+    return logits.to(dtype), metadata
+
+
+def step_keys(metadata: SamplingMetadata, seed: int) -> torch.Tensor:
+    keys = torch.randint(0, 2**32, (len(PARAMS),), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    return torch.where(metadata.is_seeded, metadata.noise_keys, keys)
+
+
+def torch_draw(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
+    """The torch sampler's token for each row, given each row's noise keys."""
+    penalized = apply_penalties_and_min_tokens(logits.float(), metadata)
+    noise = exponential_noise_torch(keys, torch.arange(VOCAB, device=keys.device))
+    drawn = random_sample(sampling_probs(penalized, metadata), noise)
+    return torch.where(metadata.is_greedy, penalized.argmax(dim=-1), drawn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
+def test_draw_equals_the_torch_path_for_the_same_noise(dtype):
+    for seed in range(3):
+        logits, metadata = batch(dtype, seed)
+        keys = step_keys(metadata, seed)
+        tokens, lse = draw_whole_vocabulary(logits.to(DEVICE), metadata, keys, with_lse=True, block=BLOCK)
+        expected = torch_draw(logits.to(DEVICE), metadata, keys)
+        assert tokens.dtype == torch.int64
+        assert tokens.tolist() == expected.tolist()
+        assert tokens[1].item() == BLOCK + 5 and tokens[2].item() == 40
+        assert tokens[7].item() == 10 and tokens[8].item() not in STOP_IDS
+        assert tokens[9].item() in (2, BLOCK + 1, VOCAB - 2)
+        torch.testing.assert_close(lse.cpu(), torch.logsumexp(logits.float(), dim=-1), rtol=0, atol=LSE_ATOL)
+
+        without_lse, none = draw_whole_vocabulary(logits.to(DEVICE), metadata, keys, with_lse=False, block=BLOCK)
+        assert none is None and torch.equal(without_lse, tokens)
+
+
+def test_all_greedy_rows_need_no_keys():
+    logits, metadata = batch(torch.float32, 0)
+    greedy = [SamplingParams(temperature=0.0)] * len(PARAMS)
+    metadata = SamplingMetadata.from_requests(greedy, [[]] * len(greedy), [[]] * len(greedy), DEVICE, VOCAB)
+    tokens, _ = draw_whole_vocabulary(logits.to(DEVICE), metadata, None, with_lse=False, block=BLOCK)
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_count_greater_counts_the_needed_rows_only():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, VOCAB, generator=generator)
+    logits[0, :10] = float("-inf")
+    values = logits[:, 17].clone()
+    values[3] = float("-inf")  # every logit counts, none of the padding past the vocabulary
+    needed = torch.tensor([True, True, False, True, True, False])
+    got = count_greater(logits.to(DEVICE), values.to(DEVICE), needed.to(DEVICE), block=BLOCK).cpu()
+    expected = torch.where(needed, (logits > values.unsqueeze(1)).sum(dim=-1), 0)
+    assert got.tolist() == expected.tolist()
+    assert got[3].item() == VOCAB
+
+
+# ---------------------------------------------------------------- the sampler's CUDA path (GPU)
+
+
+@pytest.mark.gpu
+def test_cuda_sampler_gives_the_cpu_samplers_seeded_and_greedy_tokens_and_logprobs():
+    params = [dataclasses.replace(p, logprobs=5 if i % 2 else None) for i, p in enumerate(PARAMS)]
+    params[3] = dataclasses.replace(params[3], seed=11)  # every random row seeded: all comparable
+    params[6] = dataclasses.replace(params[6], seed=12)
+    params[9] = dataclasses.replace(params[9], seed=13)
+    for seed in range(3):
+        logits, _ = batch(torch.bfloat16, seed)
+        generator = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, VOCAB, (40,), generator=generator).tolist() for _ in params]
+        outputs = [torch.randint(0, VOCAB, (2,), generator=generator).tolist() for _ in params]
+        results = {}
+        for device in ("cpu", "cuda"):
+            metadata = SamplingMetadata.from_requests(params, outputs, prompts, device, VOCAB)
+            results[device] = Sampler()(logits.to(device), metadata)
+        cpu, cuda = results["cpu"], results["cuda"]
+        assert cuda.sampled_token_ids.tolist() == cpu.sampled_token_ids.tolist()
+        assert cuda.logprobs.token_ids.tolist() == cpu.logprobs.token_ids.tolist()
+        assert cuda.logprobs.sampled_token_ranks.tolist() == cpu.logprobs.sampled_token_ranks.tolist()
+        reference = logits.float().log_softmax(dim=-1).gather(1, cpu.logprobs.token_ids)
+        torch.testing.assert_close(cuda.logprobs.logprobs.cpu(), reference, rtol=0, atol=LSE_ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params, expected", [(SamplingParams(temperature=1.0), PROBS),
+                                              (SamplingParams(temperature=0.5), TEMPERED)],
+                         ids=["temperature1", "temperature0.5"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["step_keys", "seeded"])
+def test_cuda_draws_follow_the_distribution(params, expected, seeded):
+    torch.manual_seed(6)
+    logits = PROBS.log().expand(NUM_DRAWS, -1).contiguous().cuda()
+    rows = [dataclasses.replace(params, seed=row) for row in range(NUM_DRAWS)] if seeded else [params] * NUM_DRAWS
+    metadata = SamplingMetadata.from_requests(rows, [[]] * NUM_DRAWS, [[]] * NUM_DRAWS, "cuda", len(PROBS))
+    tokens = Sampler()(logits, metadata).sampled_token_ids.cpu()
+    freq = torch.bincount(tokens, minlength=len(PROBS)).float() / NUM_DRAWS
+    assert (freq - expected).abs().max().item() < TOLERANCE, (freq, expected)

@@ -1,0 +1,134 @@
+"""``KernelLauncher``'s bookkeeping on a CPU: which calls reuse a kept binary, and what they pass it.
+
+There is no GPU here, so the kernel's binder is Triton's own (built for the base backend) and the
+binaries are stand-ins that record their launches. A call whose specialization Triton would
+compile separately (a pointer off 16-byte alignment, an integer equal to 1 or not divisible by 16,
+another dtype, constexpr or option) must go through ``kernel[grid]``; a repeated one must reach its
+binary with the arguments ``JITFunction.run`` passes a binary: the grid padded to three
+dimensions, the stream, the binary's function and metadata, no launch hooks, then every argument
+in the kernel's order (constexprs included). tests/gpu/test_kernel_launcher.py runs real kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+import novainfer.layers.ops.launcher as launcher_module  # noqa: E402
+from novainfer.layers.ops.launcher import KernelLauncher, direct_launches  # noqa: E402
+
+DEVICE, STREAM = 3, 1234
+
+
+def _kernel(x_ptr, out_ptr, n, scale, BLOCK: "tl.constexpr"):  # noqa: F821 - never compiled here
+    pass
+
+
+class FakeBinary:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, launches: list) -> None:
+        self.launches = launches
+
+    def run(self, *args) -> None:
+        self.launches.append(args)
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    """A launcher of a never-compiled kernel: ``.plain`` records the calls that take ``kernel[grid]``
+    and ``.launches`` every binary launch (``JITFunction.run``'s arguments to the binary for those)."""
+    kernel = JITFunction(_kernel, do_not_specialize=["scale"])
+    binder = create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+    kernel.device_caches[DEVICE] = ({}, {}, None, BaseBackend, binder)
+    monkeypatch.setattr(launcher_module, "_device_and_stream", lambda: (lambda: DEVICE, lambda device: STREAM))
+    launches, plain = [], []
+    binary = FakeBinary(launches)
+
+    def run(*args, grid, warmup, **kwargs):
+        plain.append((grid, args, kwargs))
+        bound = binder(*args, **kwargs)[0]
+        binary.run(*grid, *[1] * (3 - len(grid)), STREAM, binary.function, binary.packed_metadata, None, None,
+                   None, *bound.values())
+        return binary
+
+    monkeypatch.setattr(kernel, "run", run)
+    result = KernelLauncher(kernel)
+    result.plain, result.launches = plain, launches
+    return result
+
+
+def test_a_repeated_specialization_launches_its_binary_with_the_plain_arguments(launcher):
+    x, out = torch.zeros(64), torch.zeros(64)
+    launcher[(5,)](x, out, 64, 0.5, BLOCK=32, num_warps=2)
+    assert len(launcher.plain) == 1
+    launcher[(5,)](x, out, 64, 0.5, BLOCK=32, num_warps=2)
+    launcher[(7, 2)](out, x, 32, 2.0, BLOCK=32, num_warps=2)  # other tensors, values, grid: same specialization
+    assert len(launcher.plain) == 1
+    first, again, other = launcher.launches
+    assert again == first == (5, 1, 1, STREAM, "function", "metadata", None, None, None, x, out, 64, 0.5, 32)
+    assert other == (7, 2, 1, STREAM, "function", "metadata", None, None, None, out, x, 32, 2.0, 32)
+
+
+@pytest.mark.parametrize("change", ["unaligned pointer", "dtype", "int equal to 1", "int not divisible by 16",
+                                    "64-bit int", "constexpr", "option"])
+def test_another_specialization_takes_the_plain_path_once(launcher, change):
+    x, out = torch.zeros(64), torch.zeros(64)
+    args, kwargs = [x, out, 64, 0.5], {"BLOCK": 32, "num_warps": 2}
+    launcher[(1,)](*args, **kwargs)
+    if change == "unaligned pointer":
+        args[0] = x[1:]
+    elif change == "dtype":
+        args[1] = out.half()
+    elif change == "int equal to 1":
+        args[2] = 1
+    elif change == "int not divisible by 16":
+        args[2] = 65
+    elif change == "64-bit int":
+        args[2] = 2 ** 33
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 64
+    else:
+        kwargs["num_warps"] = 4
+    for _ in range(2):
+        launcher[(1,)](*args, **kwargs)
+    assert len(launcher.plain) == 2, "the new specialization must be compiled by Triton, once"
+    assert launcher.launches[-1] == (1, 1, 1, STREAM, "function", "metadata", None, None, None, *args,
+                                     kwargs["BLOCK"])
+
+
+def test_a_float_argument_is_not_a_specialization(launcher):
+    x = torch.zeros(64)
+    for scale in (0.5, 1.0, 3.0):
+        launcher[(1,)](x, x, 64, scale, BLOCK=32)
+    assert len(launcher.plain) == 1
+
+
+def test_plain_launches_when_disabled_or_hooked(launcher):
+    x = torch.zeros(64)
+    launcher[(1,)](x, x, 64, 0.5, BLOCK=32)
+    with direct_launches(False):
+        launcher[(1,)](x, x, 64, 0.5, BLOCK=32)
+    assert len(launcher.plain) == 2
+    hooks = triton.knobs.runtime.launch_exit_hook
+
+    def hook(*args):
+        pass
+
+    hooks.add(hook)
+    try:
+        launcher[(1,)](x, x, 64, 0.5, BLOCK=32)  # a profiler's hook sees every launch
+    finally:
+        hooks.remove(hook)
+    assert len(launcher.plain) == 3
+    launcher.kernel.add_pre_run_hook(lambda *args, **kwargs: None)
+    launcher[(1,)](x, x, 64, 0.5, BLOCK=32)  # a pre-run hook of the kernel runs too
+    assert len(launcher.plain) == 4
+    launcher.kernel.pre_run_hooks.clear()
+    launcher[(1,)](x, x, 64, 0.5, BLOCK=32)
+    assert len(launcher.plain) == 4
