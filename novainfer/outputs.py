@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -21,29 +21,31 @@ class FlatLogprobs(Sequence):
     appending a position creates no container objects: ints, floats and strings are not tracked by
     the cyclic garbage collector, while a dict of ``Logprob`` per token of every running request
     made its passes cost more than the decode step they ran in.
+
+    ``texts_of`` gives the tokens' texts (``Logprob.decoded_token``) when a position is read: the
+    alternatives of every position are mostly tokens seen nowhere else, and decoding each when it
+    arrives cost more than the step that produced it.
     """
 
-    __slots__ = ("_starts", "_token_ids", "_logprobs", "_ranks", "_texts")
+    __slots__ = ("_starts", "_token_ids", "_logprobs", "_ranks", "_texts_of")
 
-    def __init__(self) -> None:
+    def __init__(self, texts_of: Callable[[Sequence[int]], list[str]] | None = None) -> None:
         self._starts = [0]  # position i holds entries _starts[i]:_starts[i + 1]
         self._token_ids: list[int] = []
         self._logprobs: list[float] = []
         self._ranks: list[int] = []
-        self._texts: list[str | None] = []
+        self._texts_of = texts_of
 
-    def append_position(self, token_ids: list[int], logprobs: list[float], rank: int,
-                        texts: list[str | None]) -> None:
+    def append_position(self, token_ids: list[int], logprobs: list[float], rank: int) -> None:
         """Adds a position: the sampled token (its ``rank`` in the distribution) first, then the
         top alternatives by rank (1, 2, ...); the sampled token is not repeated among them."""
         sampled = token_ids[0]
-        for position, (token_id, value, text) in enumerate(zip(token_ids, logprobs, texts)):
+        for position, (token_id, value) in enumerate(zip(token_ids, logprobs)):
             if position and token_id == sampled:
                 continue
             self._token_ids.append(token_id)
             self._logprobs.append(value)
             self._ranks.append(position or rank)
-            self._texts.append(text)
         self._starts.append(len(self._token_ids))
 
     def __len__(self) -> int:
@@ -63,20 +65,21 @@ class FlatLogprobs(Sequence):
         if not 0 <= index < len(self):
             raise IndexError(f"position {index} out of range for {len(self)} positions")
         start, end = self._starts[index], self._starts[index + 1]
-        return {self._token_ids[i]: Logprob(self._logprobs[i], self._ranks[i], self._texts[i])
-                for i in range(start, end)}
+        ids = self._token_ids[start:end]
+        texts = self._texts_of(ids) if self._texts_of is not None else [None] * len(ids)
+        return {token_id: Logprob(self._logprobs[i], self._ranks[i], text)
+                for i, token_id, text in zip(range(start, end), ids, texts)}
 
     def _slice(self, start: int, stop: int, step: int) -> FlatLogprobs:
         if step != 1:
             raise ValueError(f"FlatLogprobs slices take step 1, got {step}")
-        part = FlatLogprobs()
+        part = FlatLogprobs(self._texts_of)
         stop = max(start, stop)
         lo, hi = self._starts[start], self._starts[stop]
         part._starts = [s - lo for s in self._starts[start:stop + 1]]
         part._token_ids = self._token_ids[lo:hi]
         part._logprobs = self._logprobs[lo:hi]
         part._ranks = self._ranks[lo:hi]
-        part._texts = self._texts[lo:hi]
         return part
 
     def __eq__(self, other: Any) -> bool:

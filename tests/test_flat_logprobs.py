@@ -27,18 +27,22 @@ def random_positions(seed: int, count: int) -> list[tuple]:
         ids = [sampled] + top
         values = [-rng.random() * 5 for _ in ids]
         rank = top.index(sampled) + 1 if sampled in top else rng.randint(k + 1, 40)
-        texts = [f"t{i}" if rng.random() < 0.8 else None for i in ids]
-        positions.append((ids, values, rank, texts))
+        positions.append((ids, values, rank))
     return positions
 
 
+def token_texts(ids: list[int]) -> list[str]:
+    return [f"t{i}" for i in ids]
+
+
+@pytest.mark.parametrize("texts_of", [None, token_texts], ids=["no-text", "text"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_reads_like_the_list_of_dicts(seed):
+def test_reads_like_the_list_of_dicts(seed, texts_of):
     positions = random_positions(seed, 40)
-    flat = FlatLogprobs()
+    flat = FlatLogprobs(texts_of)
     for p in positions:
         flat.append_position(*p)
-    expected = [reference_position(*p) for p in positions]
+    expected = [reference_position(*p, texts_of(p[0]) if texts_of else [None] * len(p[0])) for p in positions]
     assert len(flat) == len(expected)
     assert list(flat) == expected and flat == expected
     assert [list(flat[i]) for i in range(len(flat))] == [list(e) for e in expected]  # sampled token first

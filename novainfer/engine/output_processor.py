@@ -82,9 +82,11 @@ class OutputProcessor:
                                        spaces_between_special_tokens=params.spaces_between_special_tokens,
                                        defer=output_kind == RequestOutputKind.FINAL_ONLY,
                                        token_texts=self.token_texts)
-            wants_logprobs = params.logprobs is not None
-            child = ChildState(request.request_id, index, params, text, FlatLogprobs() if wants_logprobs else None,
-                               0.0 if wants_logprobs else None)
+            logprobs = None
+            if params.logprobs is not None:  # token texts only where the text is detokenized
+                logprobs = FlatLogprobs(self.token_texts if text is not None else None)
+            child = ChildState(request.request_id, index, params, text, logprobs,
+                               0.0 if logprobs is not None else None)
             parent.children.append(child)
             self.children[request.request_id] = (parent, child)
         self.parents[parent_id] = parent
@@ -177,8 +179,7 @@ class OutputProcessor:
 
     def _add_logprobs(self, child: ChildState, logprobs: tuple[list[int], list[float], int]) -> None:
         ids, values, rank = logprobs
-        texts = self.token_texts(ids) if child.text is not None else [None] * len(ids)
-        child.logprobs.append_position(ids, values, rank, texts)
+        child.logprobs.append_position(ids, values, rank)
         child.cumulative_logprob += values[0]
 
     def _finish(self, parent: ParentState, child: ChildState, now: float) -> None:
