@@ -148,21 +148,25 @@ def test_stop_token_ids_end_requests_as_without_speculation(spec_model_dir, prom
     assert stats.spec_decode_num_accepted_tokens_total > 0
 
 
-def test_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompts, plain_greedy):
+def assert_stop_strings_end_requests_as_without_speculation(model_dir, prompts, speculative_config) -> None:
     """A stop string (the front-end's, on the text) inside a step's accepted tokens ends the request
     where it ends without speculation, text and tokens."""
     inputs = [{"prompt_token_ids": p} for p in prompts[:3]]
-    plain = LLM(str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV).generate(
+    plain = LLM(str(model_dir), kv_cache_memory_bytes=SMALL_KV).generate(
         inputs, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS), use_tqdm=False)
     texts = [o.outputs[0].text for o in plain]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS,
                              stop=[t[len(t) // 2:len(t) // 2 + 3]]) for t in texts]
-    expected = LLM(str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV).generate(inputs, params, use_tqdm=False)
-    got = LLM(str(spec_model_dir), speculative_config=ngram(5), kv_cache_memory_bytes=SMALL_KV).generate(
+    expected = LLM(str(model_dir), kv_cache_memory_bytes=SMALL_KV).generate(inputs, params, use_tqdm=False)
+    got = LLM(str(model_dir), speculative_config=speculative_config, kv_cache_memory_bytes=SMALL_KV).generate(
         inputs, params, use_tqdm=False)
     for e, g in zip(expected, got):
         assert (g.outputs[0].text, g.outputs[0].token_ids) == (e.outputs[0].text, e.outputs[0].token_ids)
         assert g.outputs[0].finish_reason == e.outputs[0].finish_reason == "stop"
+
+
+def test_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompts):
+    assert_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompts, ngram(5))
 
 
 def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_drafts():

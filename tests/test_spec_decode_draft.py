@@ -30,6 +30,7 @@ from novainfer.worker.draft_proposer import DraftModelProposer
 from tests.test_spec_decode import (  # noqa: F401 (fixtures)
     CONFIGS,
     MAX_TOKENS,
+    assert_stop_strings_end_requests_as_without_speculation,
     generate,
     plain_greedy,
     prompts,
@@ -173,18 +174,8 @@ def test_greedy_logprobs_and_penalties_equal_those_without_speculation(spec_mode
 
 
 def test_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompts, drafts):
-    inputs = [{"prompt_token_ids": p} for p in prompts[:3]]
-    plain = LLM(str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV).generate(
-        inputs, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS), use_tqdm=False)
-    texts = [o.outputs[0].text for o in plain]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS,
-                             stop=[t[len(t) // 2:len(t) // 2 + 3]]) for t in texts]
-    expected = LLM(str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV).generate(inputs, params, use_tqdm=False)
-    got = LLM(str(spec_model_dir), speculative_config=draft_model(drafts["first_layer"], 3),
-              kv_cache_memory_bytes=SMALL_KV).generate(inputs, params, use_tqdm=False)
-    for e, g in zip(expected, got):
-        assert (g.outputs[0].text, g.outputs[0].token_ids) == (e.outputs[0].text, e.outputs[0].token_ids)
-        assert g.outputs[0].finish_reason == e.outputs[0].finish_reason == "stop"
+    assert_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompts,
+                                                            draft_model(drafts["first_layer"], 3))
 
 
 def test_draft_steps_replay_graphs(request, monkeypatch, spec_model_dir, prompts, plain_greedy):
