@@ -30,10 +30,15 @@ async def slow_app(scope, receive, send) -> None:
 
 
 @pytest.fixture(params=["httptools", "h11"])
-def port(request) -> Iterator[int]:
-    if request.param == "httptools" and http_protocol.HttpToolsProtocol is None:
+def protocol_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def port(protocol_name) -> Iterator[int]:
+    if protocol_name == "httptools" and http_protocol.HttpToolsProtocol is None:
         pytest.skip("httptools is not installed")
-    protocol = protocol_with_header_deadline(DEADLINE_S, use_httptools=request.param == "httptools")
+    protocol = protocol_with_header_deadline(DEADLINE_S, use_httptools=protocol_name == "httptools")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         free = probe.getsockname()[1]
@@ -85,3 +90,22 @@ def test_a_request_whose_headers_arrived_is_answered_however_long_it_takes(port)
     response, waited = exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status_and_body(response) == (200, b"ok")
     assert waited >= HANDLER_S
+
+
+def test_endless_headers_are_refused_after_a_bounded_size(port, protocol_name):
+    """Headers sent without end (within the deadline) are cut off once they pass the bound, with an
+    OpenAI error body: 431 from httptools, h11's own 400 for an oversized event."""
+    refused_after = None
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for i in range(65536):  # 64 MiB at most: far beyond what socket buffers absorb
+                sock.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1024))
+        except (ConnectionResetError, BrokenPipeError):
+            refused_after = i
+        response = sock.recv(65536)
+    status, body = status_and_body(response)
+    assert status == (431 if protocol_name == "httptools" else 400)
+    assert json.loads(body)["error"]["code"] == ("request_header_fields_too_large" if status == 431
+                                                 else "bad_http_request")
+    assert refused_after is not None

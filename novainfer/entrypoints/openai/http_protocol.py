@@ -92,9 +92,45 @@ class H11HeaderDeadlineProtocol(HeaderDeadline, H11Protocol):
     pass
 
 
+# The most bytes of request line and headers a request may send: h11's own bound (its default
+# maximum incomplete event), which httptools does not have (it would buffer headers without end).
+MAX_HEADER_BYTES = 16 * 1024
+
+
 if HttpToolsProtocol is not None:
     class HttpToolsHeaderDeadlineProtocol(HeaderDeadline, HttpToolsProtocol):
-        pass
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._header_bytes = 0
+            self._headers_too_large = False
+            super().connection_made(transport)
+
+        def on_message_begin(self) -> None:
+            self._header_bytes = 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count_header_bytes(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_header_bytes(len(name) + len(value))
+            super().on_header(name, value)
+
+        def _count_header_bytes(self, count: int) -> None:
+            self._header_bytes += count
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._headers_too_large = True
+                raise ValueError("request headers too large")  # stops the parser: send_400_response
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._headers_too_large:
+                super().send_400_response(msg)
+                return
+            self._disarm()
+            err = OpenAIError(f"the request line and headers exceed {MAX_HEADER_BYTES} bytes", 431,
+                              code="request_header_fields_too_large")
+            self.transport.write(raw_error_response(err))
+            self.transport.close()
 
 
 def protocol_with_header_deadline(timeout_s: float, use_httptools: bool | None = None) -> type[HeaderDeadline]:
