@@ -177,6 +177,7 @@ class RequestResult:
     output_tokens: int = 0
     ttft: float | None = None
     e2e: float = 0.0
+    sent_at: float = 0.0  # wall-clock time the request was sent (time.time(), comparable across processes)
     itl: list[float] = field(default_factory=list)
 
 
@@ -189,7 +190,7 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
         body = {"prompt": prompt}
     body.update(model=model, max_tokens=args.output_len, ignore_eos=True, temperature=0.0, stream=True,
                 stream_options={"include_usage": True})
-    result = RequestResult()
+    result = RequestResult(sent_at=time.time())
     started = time.perf_counter()
     last = started
     try:
@@ -294,7 +295,7 @@ def run_rate(pool, count: int, args: argparse.Namespace, base_url: str, model: s
     duration = max(end for _, end, _ in outcomes) - start_at
     results = [r for share_results, _, _ in outcomes for r in share_results]
     cpu = [c for _, _, c in outcomes]
-    return {"request_rate": rate_label(rate), **summarize(results, duration),
+    return {"request_rate": rate_label(rate), **summarize(results, duration), **timeline(results, start_at),
             "client_cpu": client_cpu(cpu, duration)}
 
 
@@ -349,6 +350,17 @@ def _summary_ms(values: list[float]) -> dict[str, float | None]:
         return {"mean": None, "median": None, "p99": None}
     return {"mean": round(1e3 * statistics.fmean(values), 3), "median": round(1e3 * statistics.median(values), 3),
             "p99": round(1e3 * _percentile(values, 99), 3)}
+
+
+def timeline(results: list[RequestResult], start_at: float) -> dict[str, float | None]:
+    """When, after the rate's start, the last request was sent and the first and last tokens came: a
+    burst's duration is the server's admission, its steps and the delivery of the last tokens."""
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return {"last_request_sent_s": None, "first_token_s": None, "last_token_s": None}
+    return {"last_request_sent_s": round(max(r.sent_at for r in results) - start_at, 3),
+            "first_token_s": round(min(r.sent_at + r.ttft for r in ok) - start_at, 3),
+            "last_token_s": round(max(r.sent_at + r.e2e for r in ok) - start_at, 3)}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
