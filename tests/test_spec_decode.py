@@ -280,7 +280,28 @@ def test_bad_speculative_config_names_the_key(config, key):
 def test_unsupported_combinations_are_refused():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(model="tiny", device="cpu", async_scheduling=True,
-                   speculative_config=ngram(2)).create_engine_config()
+                   speculative_config={"method": "draft_model", "model": "tiny",
+                                       "num_speculative_tokens": 2}).create_engine_config()
+
+
+def test_steps_without_drafts_pipeline_above_the_batch_size_cut_off(monkeypatch, spec_model_dir, prompts,
+                                                                    plain_greedy):
+    """With async scheduling, steps run while more requests run than ``disable_by_batch_size`` are
+    left in flight as without speculation; once fewer run, steps run one at a time with drafts. The
+    requests end at different lengths, so both kinds of step occur, and the tokens are plain greedy."""
+    from novainfer.engine.core import EngineCore
+
+    decisions = []
+    can_pipeline = EngineCore._can_pipeline
+    monkeypatch.setattr(EngineCore, "_can_pipeline",
+                        lambda self, so: decisions.append(can_pipeline(self, so)) or decisions[-1])
+    lengths = [MAX_TOKENS - 4 * i for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in lengths]
+    completions, stats = generate(spec_model_dir, prompts, params, ngram(3, disable_by_batch_size=2),
+                                  async_scheduling=True, max_num_seqs=len(prompts), kv_cache_memory_bytes=SMALL_KV)
+    assert [c.token_ids for c in completions] == [out[:n] for out, n in zip(plain_greedy(), lengths)]
+    assert True in decisions and False in decisions
+    assert stats.spec_decode_num_draft_tokens_total > 0
 
 
 def test_greedy_logprobs_equal_those_without_speculation(spec_model_dir, prompts):

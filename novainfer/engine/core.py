@@ -139,7 +139,16 @@ class EngineCore:
         return self._outputs(_merge(self._take_early_outputs() + outputs))
 
     def _can_pipeline(self, scheduler_output: SchedulerOutput) -> bool:
-        return self.scheduler.config.async_scheduling and not scheduler_output.is_empty
+        """Whether the step may be left running while the next is scheduled. With speculation only
+        a step without drafts, while more requests run than ``disable_by_batch_size``: nothing is
+        proposed after it then, where drafts need its tokens (and a verified step's accepted count
+        decides the next step's positions)."""
+        if not self.scheduler.config.async_scheduling or scheduler_output.is_empty:
+            return False
+        spec = self.config.speculative_config
+        return spec is None or (spec.disable_by_batch_size is not None
+                                and len(self.scheduler.running) > spec.disable_by_batch_size
+                                and not scheduler_output.scheduled_spec_decode_tokens)
 
     def _update_from_runner(self, runner_outputs) -> list[EngineCoreOutput]:
         """Applies the tokens of the steps the executor finished, oldest first."""
