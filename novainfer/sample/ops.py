@@ -44,7 +44,7 @@ def _exponential(key, ids):
     return -tl.log(uniform)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width", "stride_ids", "stride_out"])
 def _exponential_noise_kernel(keys_ptr, token_ids_ptr, out_ptr, width, stride_ids, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -66,14 +66,19 @@ def exponential_noise_triton(keys: torch.Tensor, token_ids: torch.Tensor) -> tor
     return out
 
 
-@triton.jit
+# The penalty stages are runtime flags, and neither they nor the tables' strides specialize the
+# kernel: one compiled variant per (NOISE, LSE) serves every mix of settings, so start-up compiles
+# all four (warm_up) and no request's first penalty pays for a compile.
+@triton.jit(do_not_specialize=["stride_temperature", "use_stop", "stride_stop", "use_repetition", "stride_repetition",
+                               "stride_seen", "use_frequency", "stride_frequency", "use_presence", "stride_presence",
+                               "stride_counts"])
 def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
                  temperature_ptr, stride_temperature, greedy_ptr, keys_ptr,
-                 stop_ptr, stride_stop, repetition_ptr, stride_repetition, seen_ptr, stride_seen,
-                 frequency_ptr, stride_frequency, presence_ptr, stride_presence, counts_ptr, stride_counts,
+                 use_stop, stop_ptr, stride_stop, use_repetition, repetition_ptr, stride_repetition, seen_ptr,
+                 stride_seen, use_frequency, frequency_ptr, stride_frequency, use_presence, presence_ptr,
+                 stride_presence, counts_ptr, stride_counts,
                  best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_sum_ptr,
-                 BLOCK: tl.constexpr, STOP: tl.constexpr, REPETITION: tl.constexpr, FREQUENCY: tl.constexpr,
-                 PRESENCE: tl.constexpr, NOISE: tl.constexpr, LSE: tl.constexpr):
+                 BLOCK: tl.constexpr, NOISE: tl.constexpr, LSE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -86,19 +91,19 @@ def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
         tl.store(chunk_max_ptr + out, chunk_max)
         tl.store(chunk_sum_ptr + out, tl.sum(tl.where(raw > float("-inf"), tl.exp(raw - chunk_max), 0.0), axis=0))
     x = raw
-    if STOP:
+    if use_stop != 0:
         stop = tl.load(stop_ptr + row * stride_stop + cols, mask=in_vocab, other=0)
         x = tl.where(stop != 0, float("-inf"), x)
-    if REPETITION:
+    if use_repetition != 0:
         penalty = tl.load(repetition_ptr + row * stride_repetition)
         seen = tl.load(seen_ptr + row * stride_seen + cols, mask=in_vocab, other=0)
         # div_rn: IEEE division, as torch's (Triton's default float32 division is approximate).
         x = tl.where(seen != 0, tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty), x)
-    if FREQUENCY or PRESENCE:
+    if use_frequency + use_presence != 0:
         counts = tl.load(counts_ptr + row * stride_counts + cols, mask=in_vocab, other=0)
-        if FREQUENCY:
+        if use_frequency != 0:
             x = x - tl.load(frequency_ptr + row * stride_frequency) * counts.to(tl.float32)
-        if PRESENCE:
+        if use_presence != 0:
             x = x - tl.load(presence_ptr + row * stride_presence) * (counts > 0).to(tl.float32)
     if NOISE:
         if tl.load(greedy_ptr + row) == 0:
@@ -122,6 +127,19 @@ def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys
 
     Returns the tokens [B] int64 and, ``with_lse``, the log-sum-exp [B] float32 of the raw logits.
     """
+    stop = None if metadata.min_tokens_mask is None else metadata.min_tokens_mask.view(torch.uint8)
+    seen = None if metadata.seen_token_mask is None else metadata.seen_token_mask.view(torch.uint8)
+    return _draw(logits, metadata.temperature, metadata.is_greedy.contiguous().view(torch.uint8), keys, stop,
+                 seen, metadata.repetition_penalties, metadata.output_token_counts, metadata.frequency_penalties,
+                 metadata.presence_penalties, with_lse, block)
+
+
+def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, keys: torch.Tensor | None,
+          stop: torch.Tensor | None, seen: torch.Tensor | None, repetition: torch.Tensor,
+          counts: torch.Tensor | None, frequency: torch.Tensor | None, presence: torch.Tensor | None,
+          with_lse: bool, block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`draw_whole_vocabulary` on plain tensors (uint8 masks, int32 counts, float32 per-row
+    values; None for a stage the step skips)."""
     batch_size, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, block)
     device = logits.device
@@ -129,22 +147,22 @@ def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys
     best_token = torch.empty(batch_size, num_chunks, dtype=torch.int64, device=device)
     chunk_max = torch.empty_like(best_score) if with_lse else best_score
     chunk_sum = torch.empty_like(best_score) if with_lse else best_score
-    # Absent tables are never read (their stage's flag is off): any pointer stands in for them.
-    stop = _as_bytes(metadata.min_tokens_mask, logits)
-    seen = _as_bytes(metadata.seen_token_mask, logits)
-    counts = logits if metadata.output_token_counts is None else metadata.output_token_counts
-    frequency = logits if metadata.frequency_penalties is None else metadata.frequency_penalties
-    presence = logits if metadata.presence_penalties is None else metadata.presence_penalties
+    # Absent tables are never read (their flag is off); stand-ins of the same dtypes keep the
+    # kernel's signature, so that absent and present stages launch the same compiled variant.
+    stop_table = _stand_in(stop, torch.uint8, device)
+    seen_table = _stand_in(seen, torch.uint8, device)
+    counts_table = _stand_in(counts, torch.int32, device)
+    frequency_values = _stand_in(frequency, torch.float32, device)
+    presence_values = _stand_in(presence, torch.float32, device)
     _draw_kernel[(batch_size, num_chunks)](
-        logits, logits.stride(0), vocab_size, num_chunks,
-        metadata.temperature, metadata.temperature.stride(0), metadata.is_greedy.contiguous().view(torch.uint8),
-        logits if keys is None else keys.contiguous(),
-        stop, stop.stride(0), metadata.repetition_penalties, metadata.repetition_penalties.stride(0),
-        seen, seen.stride(0), frequency, frequency.stride(0), presence, presence.stride(0), counts, counts.stride(0),
+        logits, logits.stride(0), vocab_size, num_chunks, temperature, temperature.stride(0), greedy,
+        _stand_in(keys, torch.int64, device),
+        int(stop is not None), stop_table, stop_table.stride(0),
+        int(seen is not None), repetition, repetition.stride(0), seen_table, seen_table.stride(0),
+        int(frequency is not None), frequency_values, frequency_values.stride(0),
+        int(presence is not None), presence_values, presence_values.stride(0), counts_table, counts_table.stride(0),
         best_score, best_token, chunk_max, chunk_sum,
-        BLOCK=block, STOP=metadata.min_tokens_mask is not None, REPETITION=metadata.seen_token_mask is not None,
-        FREQUENCY=metadata.frequency_penalties is not None, PRESENCE=metadata.presence_penalties is not None,
-        NOISE=keys is not None, LSE=with_lse,
+        BLOCK=block, NOISE=keys is not None, LSE=with_lse,
         # No fused multiply-adds, so that penalized logits round as torch's separate operations do.
         enable_fp_fusion=False, num_warps=8)
     tokens = torch.empty(batch_size, dtype=torch.int64, device=device)
@@ -152,6 +170,28 @@ def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys
     _combine_chunks_kernel[(batch_size,)](best_score, best_token, chunk_max, chunk_sum, num_chunks, tokens, lse,
                                           CHUNKS=triton.next_power_of_2(num_chunks), LSE=with_lse)
     return tokens, lse if with_lse else None
+
+
+def _stand_in(tensor: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``tensor`` (contiguous), or a one-element [1, 1] tensor of ``dtype`` in its place."""
+    if tensor is not None:
+        return tensor.contiguous()
+    return torch.zeros(1, 1, dtype=dtype, device=device)
+
+
+def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compiles every variant of the sampler's kernels for logits [B, ``vocab_size``] of ``dtype``: the
+    draw with and without noise and log-sum-exp, the rank count, and the noise of chosen tokens."""
+    logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    keys = torch.zeros(1, dtype=torch.int64, device=device)
+    greedy = torch.zeros(1, dtype=torch.uint8, device=device)
+    for noise in (None, keys):
+        for with_lse in (False, True):
+            _draw(logits, one, greedy, noise, None, None, one, None, None, None, with_lse, 4096)
+    count_greater(logits, one, torch.ones(1, dtype=torch.bool, device=device))
+    for token_ids in (keys, keys.view(1, 1)):
+        exponential_noise_triton(keys, token_ids)
 
 
 @triton.jit
@@ -171,10 +211,6 @@ def _combine_chunks_kernel(best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_
         row_max = tl.max(maxima, axis=0)
         total = tl.sum(tl.where(maxima > float("-inf"), sums * tl.exp(maxima - row_max), 0.0), axis=0)
         tl.store(lse_ptr + row, row_max + tl.log(total))
-
-
-def _as_bytes(mask: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
-    return stand_in if mask is None else mask.view(torch.uint8)
 
 
 @triton.jit

@@ -229,6 +229,14 @@ class Sampler(nn.Module):
     """Turns [B, V] logits (any float dtype; the arithmetic is float32) into one token per row,
     following SamplingMetadata."""
 
+    @staticmethod
+    def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Compiles the Triton kernels a step may launch for logits of this width and dtype (CUDA)."""
+        if device.type == "cuda":
+            from novainfer.sample.ops import warm_up
+
+            warm_up(vocab_size, dtype, device)
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         batch_size = metadata.temperature.shape[0]
         if logits.shape != (batch_size, metadata.vocab_size):

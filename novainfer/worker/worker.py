@@ -200,7 +200,8 @@ class Worker:
         what a first use costs on a GPU: the allocator's growth (profiling returned its memory),
         library workspaces and kernel modules loaded on first launch. Its K/V go to free blocks,
         which every request writes before it reads (CUDA only: on CPU there is nothing to warm). Then
-        every attention kernel variant that a step may need is compiled (see the backend's ``warm_up``)."""
+        every attention and sampler kernel variant that a step may need is compiled (see the
+        backend's and the sampler's ``warm_up``)."""
         runner = self.model_runner
         if self.device.type != "cuda":
             return
@@ -210,6 +211,7 @@ class Worker:
             if key not in warmed:
                 warmed.add(key)
                 runner.attn_backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache)
+        runner.sampler.warm_up(runner.model_config.vocab_size, runner.model_config.torch_dtype, self.device)
         sched = self.config.scheduler_config
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * sched.max_model_len)
         seqs, num_blocks = self._prompt_step(num_tokens)

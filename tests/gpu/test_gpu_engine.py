@@ -187,26 +187,43 @@ def test_graphs_on_and_off_give_the_same_tokens_for_512_requests_under_continuou
     assert results[False] == results[True]
 
 
-def _attention_kernel_variants() -> dict[str, set[str]]:
-    """The compiled variants (specialization keys) of each attention kernel, on every device."""
+def _kernel_variants() -> dict[str, set[str]]:
+    """The compiled variants (specialization keys) of each attention and sampler kernel, on every device."""
     decode_ops = importlib.import_module("novainfer.attention.ops.decode_attention")
     prefill_ops = importlib.import_module("novainfer.attention.ops.prefill_attention")
-
+    sample_ops = importlib.import_module("novainfer.sample.ops")
     kernels = {"decode": decode_ops._decode_attention_kernel, "reduce": decode_ops._reduce_splits_kernel,
-               "prefill": prefill_ops._prefill_attention_kernel}
+               "prefill": prefill_ops._prefill_attention_kernel, "draw": sample_ops._draw_kernel,
+               "combine": sample_ops._combine_chunks_kernel, "count": sample_ops._count_greater_kernel,
+               "noise": sample_ops._exponential_noise_kernel}
     return {name: {str(key) for cache in kernel.device_caches.values() for key in cache[0]}
             for name, kernel in kernels.items()}
 
 
-def test_start_up_compiles_every_attention_kernel_a_workload_launches(model_dir):
+SAMPLING_SETTINGS = [
+    dict(temperature=0), dict(temperature=0.8), dict(temperature=0.8, seed=3), dict(temperature=0, logprobs=3),
+    dict(temperature=0.7, top_k=20, top_p=0.9), dict(temperature=0.7, top_k=20, seed=4),
+    dict(temperature=0.8, repetition_penalty=1.2), dict(temperature=0, frequency_penalty=0.5, presence_penalty=0.3),
+    dict(temperature=0.9, min_tokens=8, logprobs=2),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_start_up_compiles_every_kernel_a_workload_launches(model_dir, dtype):
     """Eager steps beyond the captured bound, with few and many decodes of short and long contexts
-    (so every split count), launch no attention kernel variant that start-up did not compile."""
-    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
+    (so every split count), and every kind of sampling setting, alone and mixed in a step, launch
+    no attention or sampler kernel variant that start-up did not compile."""
+    llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048,
               max_cudagraph_capture_size=16, num_gpu_blocks_override=2048)
-    compiled = _attention_kernel_variants()
+    compiled = _kernel_variants()
     vocab_size = llm.llm_engine.model_config.vocab_size
     prompts = _prompts(vocab_size, 96, seed=5) + random_prompts(vocab_size, [1500, 1800], seed=6)
     _generate(llm, prompts, max_tokens=24)
+    for settings in SAMPLING_SETTINGS:  # each alone, then all in one batch
+        params = SamplingParams(max_tokens=6, ignore_eos=True, **settings)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+    mixed = [SamplingParams(max_tokens=6, ignore_eos=True, **settings) for settings in SAMPLING_SETTINGS]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:len(mixed)]], mixed, use_tqdm=False)
     llm.shutdown()
-    new = {name: keys - compiled[name] for name, keys in _attention_kernel_variants().items()}
+    new = {name: keys - compiled[name] for name, keys in _kernel_variants().items()}
     assert not any(new.values()), new
