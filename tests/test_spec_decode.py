@@ -10,6 +10,7 @@ rejected; so both the accepting and the rejecting paths run (each test checks th
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import random
 import re
@@ -476,3 +477,45 @@ def test_metrics_endpoint_exposes_the_speculation_counters(spec_model_dir, promp
                  for i, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos_total)}
     assert len(stats.spec_decode_num_accepted_tokens_per_pos_total) == k
     assert samples == expected
+
+
+def test_streamed_choices_of_an_n_request_equal_plain_greedy_text(spec_model_dir, prompts):
+    """Served with speculation, a streamed completion with n=2 delivers each choice in deltas of
+    possibly several tokens that concatenate to the text plain greedy decoding gives offline."""
+    import asyncio
+
+    import httpx
+
+    from novainfer.engine.async_llm_engine import AsyncLLMEngine
+    from novainfer.entrypoints.openai.api_server import build_app
+    from novainfer.entrypoints.openai.served_models import ModelRegistry
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    plain, _ = generate(spec_model_dir, prompts[:3], params, kv_cache_memory_bytes=SMALL_KV)
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(spec_model_dir), kv_cache_memory_bytes=SMALL_KV,
+                                                        speculative_config=ngram(3)), name="m", multiprocess=False)
+    app = build_app(registry=ModelRegistry.from_engines({"m": engine}))
+
+    async def stream(client: httpx.AsyncClient, prompt: list[int]) -> dict[int, str]:
+        texts: dict[int, str] = {}
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "n": 2,
+                "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[len("data: "):])["choices"]:
+                        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        return texts
+
+    async def main() -> list[dict[int, str]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
+            return await asyncio.gather(*(stream(client, p) for p in prompts[:3]))
+
+    try:
+        streamed = asyncio.run(main())
+        stats = engine.get_stats()
+    finally:
+        engine.shutdown()
+    assert streamed == [{0: c.text, 1: c.text} for c in plain]
+    assert stats.spec_decode_num_accepted_tokens_total > 0
