@@ -172,11 +172,18 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     return tokens, lse if with_lse else None
 
 
+_STAND_INS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def _stand_in(tensor: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``tensor`` (contiguous), or a one-element [1, 1] tensor of ``dtype`` in its place."""
+    """``tensor`` (contiguous), or a one-element [1, 1] tensor of ``dtype`` in its place (made once
+    per dtype and device: a step with no penalty would otherwise allocate and fill several)."""
     if tensor is not None:
         return tensor.contiguous()
-    return torch.zeros(1, 1, dtype=dtype, device=device)
+    stand_in = _STAND_INS.get((dtype, device))
+    if stand_in is None:
+        stand_in = _STAND_INS[(dtype, device)] = torch.zeros(1, 1, dtype=dtype, device=device)
+    return stand_in
 
 
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
