@@ -6,8 +6,9 @@ greedy rows and the exponential race over softmax(logits / temperature) for the 
 log-sum-exp of the raw logits (``torch.logsumexp``, within 1e-5 absolute: float32 sums in another
 order and ``exp``/``log`` within a few ulps); ranks counted with ``>`` over the whole row. On a GPU
 also: the sampler's CUDA path gives the CPU sampler's tokens for seeded and greedy rows, logprobs
-equal to ``log_softmax`` of the logits within the same tolerance, and draws that follow the
-distribution (the bounds of tests/test_sampler.py).
+equal to a float64 ``log_softmax`` of the logits within 5e-5 absolute (a float32 sum of 152k terms
+whose largest ones dominate is good to about sqrt(V) ulps: 1.9e-5 was seen against float32 torch),
+and draws that follow the distribution (the bounds of tests/test_sampler.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ pytestmark = MARKS
 # Under the interpreter: a small vocabulary cut into several chunks with a partial last one.
 VOCAB, BLOCK = (1000, 256) if INTERPRET else (151_936, 4096)
 LSE_ATOL = 1e-5
+LOGPROB_ATOL = 5e-5
 STOP_IDS = [3, 700, VOCAB - 1]
 
 PARAMS = [
@@ -150,8 +152,8 @@ def test_cuda_sampler_gives_the_cpu_samplers_seeded_and_greedy_tokens_and_logpro
         assert logits.gather(1, cuda_ids[:, 1:]).tolist() == logits.gather(1, cpu_ids[:, 1:]).tolist()
         assert all(len(set(row)) == len(row) for row in cuda_ids[:, 1:].tolist())
         assert cuda.logprobs.sampled_token_ranks.tolist() == cpu.logprobs.sampled_token_ranks.tolist()
-        reference = logits.float().log_softmax(dim=-1).gather(1, cuda_ids)
-        torch.testing.assert_close(cuda.logprobs.logprobs.cpu(), reference, rtol=0, atol=LSE_ATOL)
+        reference = logits.double().log_softmax(dim=-1).gather(1, cuda_ids).float()
+        torch.testing.assert_close(cuda.logprobs.logprobs.cpu(), reference, rtol=0, atol=LOGPROB_ATOL)
 
 
 @pytest.mark.gpu
