@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from novainfer.sample.rejection_sampler import rejection_sample
 from novainfer.spec_decode.config import SpeculativeConfig
-from novainfer.spec_decode.ngram_proposer import propose_ngram
+from novainfer.spec_decode.ngram_proposer import NgramProposer, propose_ngram
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -44,28 +45,36 @@ def test_config_refuses_bad_values_by_name(values, named):
 
 # ---- n-gram proposals ------------------------------------------------------------------------------
 def reference_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The tokens after the most recent earlier occurrence of the longest suffix, copied one at a time
+    from the growing sequence (so a copy that reaches the end goes on with the tokens it copied)."""
     for n in range(max_n, min_n - 1, -1):
         if len(tokens) <= n:
             continue
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):  # most recent earlier occurrence first
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+                extended = list(tokens)
+                for i in range(k):
+                    extended.append(extended[start + n + i])
+                return extended[len(tokens):]
     return []
+
+
+def _random_histories(rng: random.Random) -> list[list[int]]:
+    batch = [[rng.randrange(4) for _ in range(rng.randint(1, 40))] for _ in range(64)]
+    return batch + [[7] * 5, [1, 2, 3, 1, 2, 3, 1, 2], [5]]  # a run, a cycle, a single token
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_ngram_proposals_equal_a_per_request_search(seed):
     rng = random.Random(seed)
     min_n, max_n, k = rng.choice([(1, 3), (2, 4), (1, 1), (3, 5)]) + (rng.randint(1, 5),)
-    batch = [[rng.randrange(4) for _ in range(rng.randint(1, 40))] for _ in range(64)]
-    batch += [[7] * 5, [1, 2, 3, 1, 2, 3, 1, 2], [5]]  # a run, a cycle, a single token
+    batch = _random_histories(rng)
     width = max(len(t) for t in batch) + 3
-    ids = torch.full((len(batch), width), 9, dtype=torch.int32)  # padding that matches nothing known
+    ids = np.full((len(batch), width), 9, dtype=np.int32)  # padding that matches nothing known
     for row, tokens in enumerate(batch):
-        ids[row, :len(tokens)] = torch.tensor(tokens)
-    lengths = torch.tensor([len(t) for t in batch])
-    out = propose_ngram(ids, lengths, min_n, max_n, k)
+        ids[row, :len(tokens)] = tokens
+    out = propose_ngram(ids, np.array([len(t) for t in batch]), min_n, max_n, k)
     for row, tokens in enumerate(batch):
         want = reference_ngram(tokens, min_n, max_n, k)
         n = int(out.num_tokens[row])
@@ -76,8 +85,32 @@ def test_ngram_proposals_equal_a_per_request_search(seed):
 def test_ngram_prefers_the_longest_match():
     # "1 2 3" occurred before followed by 8; "3" alone more recently followed by 5.
     tokens = [1, 2, 3, 8, 3, 5, 1, 2, 3]
-    out = propose_ngram(torch.tensor([tokens]), torch.tensor([len(tokens)]), 1, 3, 2)
+    out = propose_ngram(np.array([tokens]), np.array([len(tokens)]), 1, 3, 2)
     assert out.token_ids[0].tolist() == [8, 3]
+
+
+def test_a_cycle_proposes_k_tokens_by_an_overlapping_copy():
+    tokens = [4, 1, 2, 3, 1, 2, 3, 1, 2]  # period 3: the continuation of "3 1 2" reaches the end
+    out = propose_ngram(np.array([tokens]), np.array([len(tokens)]), 1, 3, 7)
+    assert out.token_ids[0].tolist() == [3, 1, 2, 3, 1, 2, 3]
+
+
+def test_proposer_history_follows_growing_and_replaced_requests():
+    """The persistent history gives what a search over each request's whole list gives, while the
+    requests grow, leave, come back and have their ids reused by other requests."""
+    rng = random.Random(0)
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                          "prompt_lookup_max": 3})
+    proposer = NgramProposer(config)
+    live = {f"r{i}": [rng.randrange(3) for _ in range(rng.randint(1, 5))] for i in range(6)}
+    for _ in range(60):
+        ids = rng.sample(sorted(live), rng.randint(1, len(live)))  # some sit a call out
+        got = proposer.propose(ids, [live[rid] for rid in ids])
+        assert got == [reference_ngram(live[rid], 1, 3, 3) for rid in ids]
+        for rid in ids:
+            live[rid].extend(rng.randrange(3) for _ in range(rng.randint(1, 4)))
+        if rng.random() < 0.2:  # a request ends and its id comes back with other tokens
+            live[rng.choice(sorted(live))] = [rng.randrange(3) for _ in range(rng.randint(1, 300))]
 
 
 # ---- rejection sampling ----------------------------------------------------------------------------

@@ -19,8 +19,6 @@ from collections import deque
 from collections.abc import Iterable
 
 import msgspec
-import numpy as np
-import torch
 
 from novainfer.config import EngineConfig
 from novainfer.core.kv_cache_manager import KVCacheManager
@@ -29,7 +27,7 @@ from novainfer.core.sched.output import SchedulerOutput
 from novainfer.core.sched.request import Request, RequestStatus
 from novainfer.core.sched.scheduler import Scheduler, SchedulerStats
 from novainfer.executor.abstract import Executor
-from novainfer.spec_decode.ngram_proposer import propose_ngram
+from novainfer.spec_decode.ngram_proposer import NgramProposer
 from novainfer.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -78,6 +76,8 @@ class EngineCore:
         # steps collected outside step() (see add_requests), which the next step() returns.
         self._in_flight: deque[SchedulerOutput] = deque()
         self._early_outputs: list[EngineCoreOutput] = []
+        spec = config.speculative_config  # n-gram drafts keep each request's tokens between steps
+        self._ngram_proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self.log_stats_interval = log_stats_interval
         # When the last throughput line was logged, and the totals then.
         self._last_log = (time.monotonic(), 0, 0, self.scheduler.make_stats())
@@ -182,14 +182,7 @@ class EngineCore:
             request.spec_token_ids = drafts[:max(room, 0)]
 
     def _ngram_drafts(self, decoding: list[Request]) -> list[list[int]]:
-        spec = self.config.speculative_config
-        lengths = np.fromiter((r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
-        token_ids = np.full((len(decoding), int(lengths.max())), -1, dtype=np.int64)
-        for row, request in enumerate(decoding):
-            token_ids[row, :request.num_tokens] = request.all_token_ids
-        proposals = propose_ngram(torch.from_numpy(token_ids), torch.from_numpy(lengths), spec.prompt_lookup_min,
-                                  spec.prompt_lookup_max, spec.num_speculative_tokens)
-        return [row[:num] for row, num in zip(proposals.token_ids.tolist(), proposals.num_tokens.tolist())]
+        return self._ngram_proposer.propose([r.request_id for r in decoding], [r.all_token_ids for r in decoding])
 
     def _collect_in_flight(self) -> list[EngineCoreOutput]:
         """Waits for the steps in flight and applies their tokens."""

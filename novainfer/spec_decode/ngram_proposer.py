@@ -1,33 +1,44 @@
 """N-gram (prompt lookup) proposals: continue a request the way its own text continued before.
 
 For each request, the longest suffix of its tokens (``prompt_lookup_max`` down to
-``prompt_lookup_min`` tokens) that also occurs earlier in its prompt or output is looked up; the
-tokens that followed its most recent earlier occurrence are proposed, up to
-``num_speculative_tokens`` of them. Editing, summarization and code often copy their input, and
-greedy outputs that cycle repeat themselves, so such proposals are often accepted.
+``prompt_lookup_min`` tokens) that also occurs earlier in its prompt or output is looked up, and
+the tokens that followed its most recent earlier occurrence are proposed, ``num_speculative_tokens``
+of them. Editing, summarization and code often copy their input, and greedy outputs that cycle
+repeat themselves, so such proposals are often accepted.
 
-The search runs over the whole batch at once as tensor operations (on the device that holds the
-token history), with no loop over requests or tokens: for each n, one comparison per suffix position.
+Where the continuation runs into the request's newest token, the copy goes on overlapping itself,
+as an LZ77 back-reference does: the occurrence lies d tokens before the suffix, so the proposal
+repeats the last d tokens with period d (token i of the proposal is the token at ``start + i % d``,
+``start`` being where the continuation begins). An output cycling with period p thus proposes k
+tokens rather than min(k, p).
+
+The search runs over the whole batch at once as array operations, with no loop over requests or
+tokens: one comparison per suffix position, each over every request's whole history. The host
+keeps each request's tokens in a row of a persistent table (:class:`NgramProposer`) and writes
+only its new tokens into it after each step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
+
+from novainfer.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
 class Proposals:
     """Draft tokens per request: row b proposes ``token_ids[b, :num_tokens[b]]`` (the rest is -1)."""
 
-    token_ids: torch.Tensor  # [B, k] int64
-    num_tokens: torch.Tensor  # [B] int64, in [0, k]
+    token_ids: np.ndarray  # [B, k] int64
+    num_tokens: np.ndarray  # [B] int64: k, or 0 where no suffix occurred earlier
 
 
-def propose_ngram(token_ids: torch.Tensor, num_tokens: torch.Tensor, min_n: int, max_n: int, k: int) -> Proposals:
+def propose_ngram(token_ids: np.ndarray, num_tokens: np.ndarray, min_n: int, max_n: int, k: int) -> Proposals:
     """Proposals for a batch whose row b holds ``num_tokens[b]`` known tokens (prompt, then output)
-    at the start of ``token_ids`` [B, L] (the rest of the row is ignored).
+    at the start of ``token_ids`` [B, W] (the rest of the row is ignored).
 
     A longer matching suffix wins over a shorter one; among equally long matches, the most recent.
     """
@@ -36,26 +47,82 @@ def propose_ngram(token_ids: torch.Tensor, num_tokens: torch.Tensor, min_n: int,
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     batch, width = token_ids.shape
-    device = token_ids.device
-    lengths = num_tokens.to(torch.int64)
-    rows = torch.arange(batch, device=device)
-    # Start of the continuation chosen for each row (-1: none yet).
-    start = torch.full((batch,), -1, dtype=torch.int64, device=device)
-    for n in range(max_n, min_n - 1, -1):
-        if n >= width:
-            continue
-        positions = torch.arange(width - n + 1, device=device)  # candidate match starts
-        match = torch.ones(batch, width - n + 1, dtype=torch.bool, device=device)
-        for j in range(n):
-            suffix_token = token_ids[rows, (lengths - n + j).clamp(min=0)]
-            match &= token_ids[:, j:j + width - n + 1] == suffix_token.unsqueeze(1)
-        # An earlier occurrence, followed by at least one known token; the suffix itself excluded.
-        match &= positions.unsqueeze(0) < (lengths - n).unsqueeze(1)
-        last = torch.where(match, positions.unsqueeze(0), -1).amax(dim=1)
-        found = (start < 0) & (last >= 0) & (lengths >= n)
-        start = torch.where(found, last + n, start)
-    num = torch.where(start >= 0, (lengths - start).clamp(max=k), 0)
-    offsets = torch.arange(k, device=device)
-    index = (start.clamp(min=0).unsqueeze(1) + offsets).clamp(max=width - 1)
-    drafts = torch.where(offsets.unsqueeze(0) < num.unsqueeze(1), token_ids.gather(1, index).to(torch.int64), -1)
-    return Proposals(drafts, num)
+    lengths = num_tokens.astype(np.int64, copy=False)
+    rows = np.arange(batch)
+    # Candidate c: a continuation starting at token c, after an occurrence that ends at c - 1.
+    # match[b, c]: how many of row b's last tokens (up to max_n) the tokens before c repeat.
+    match = np.zeros((batch, width), dtype=np.int64)
+    run = np.ones((batch, width), dtype=bool)
+    for j in range(max_n):
+        suffix_token = token_ids[rows, np.maximum(lengths - 1 - j, 0)]
+        run[:, :j + 1] = False  # no token j + 1 places before c
+        run[:, j + 1:] &= token_ids[:, :width - 1 - j] == suffix_token[:, None]
+        match += run
+    candidates = np.arange(width)
+    # An earlier occurrence (the suffix itself ends at length - 1), at least min_n tokens long.
+    usable = (candidates[None, :] < lengths[:, None]) & (match >= min_n)
+    score = np.where(usable, match * width + candidates, -1)  # the longest, then the most recent
+    start = score.argmax(axis=1)
+    found = score[rows, start] >= 0
+    period = np.maximum(lengths - start, 1)
+    index = start[:, None] + np.arange(k)[None, :] % period[:, None]
+    drafts = np.where(found[:, None], token_ids[rows[:, None], index], -1).astype(np.int64, copy=False)
+    return Proposals(drafts, np.where(found, k, 0))
+
+
+@dataclass
+class _Row:
+    index: int  # row of the history table
+    tokens: list[int]  # the request's token list (the same object: a reused request id is noticed)
+    num_written: int  # leading tokens already in the row
+
+
+class NgramProposer:
+    """N-gram proposals for a changing set of requests, from a token-history table on the host that
+    keeps a row per request: each call writes only the tokens a request got since the last one
+    (token lists only grow), not the whole lists. Rows of requests absent from a call are freed."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n, self.k = (config.prompt_lookup_min, config.prompt_lookup_max,
+                                          config.num_speculative_tokens)
+        self._table = np.zeros((0, 0), dtype=np.int32)
+        self._rows: dict[str, _Row] = {}
+        self._free: list[int] = []
+
+    def propose(self, request_ids: Sequence[str], token_lists: Sequence[list[int]]) -> list[list[int]]:
+        """Drafts for each request, whose known tokens (prompt, then output) are ``token_lists``."""
+        for stale in self._rows.keys() - set(request_ids):
+            self._free.append(self._rows.pop(stale).index)
+        lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+        self._reserve(len(request_ids), int(lengths.max(initial=1)))
+        rows = np.fromiter((self._write(rid, tokens) for rid, tokens in zip(request_ids, token_lists)),
+                           dtype=np.int64, count=len(request_ids))
+        proposals = propose_ngram(self._table[rows, :int(lengths.max(initial=1))], lengths, self.min_n,
+                                  self.max_n, self.k)
+        return [row[:num] for row, num in zip(proposals.token_ids.tolist(), proposals.num_tokens.tolist())]
+
+    def _reserve(self, num_requests: int, length: int) -> None:
+        """Grows the table (doubling) to hold ``num_requests`` rows of ``length`` tokens."""
+        height, width = self._table.shape
+        needed_rows = len(self._rows) + num_requests  # at most: some may have rows already
+        if needed_rows <= height and length <= width:
+            return
+        new_height = max(height, 2 * height if needed_rows > height else height, needed_rows, 8)
+        new_width = max(width, 2 * width if length > width else width, length, 256)
+        grown = np.zeros((new_height, new_width), dtype=np.int32)
+        grown[:height, :width] = self._table
+        self._free += range(new_height - 1, height - 1, -1)
+        self._table = grown
+
+    def _write(self, request_id: str, tokens: list[int]) -> int:
+        """The request's row, with its new tokens written."""
+        row = self._rows.get(request_id)
+        if row is None or row.tokens is not tokens:  # new, or a reused id of a request since freed
+            if row is not None:
+                self._free.append(row.index)
+            row = self._rows[request_id] = _Row(self._free.pop(), tokens, 0)
+        end = len(tokens)
+        if end > row.num_written:
+            self._table[row.index, row.num_written:end] = tokens[row.num_written:end]
+            row.num_written = end
+        return row.index
