@@ -11,7 +11,9 @@ from the engine's counters over the timed runs only.
   lookup can copy; the presets' random weights make greedy outputs cycle as well) or random tokens
   (``--prompt-kind random``). Decode ms per token = (median time of the whole generate - median
   time of the same requests generating one token, i.e. the prefill) / (output_len - 1): the
-  time of one decode step of the batch (every request gets one token per plain step).
+  time of one decode step of the batch (every request gets one token per plain step). Drafts are
+  proposed at every batch size here (``disable_by_batch_size`` None unless the configuration names
+  it), so that each figure shows what speculation does at that size.
 * ``throughput``: benchmarks/throughput.py's runner on its nano-vllm workload (random prompts,
   uniform lengths, token ids only; its flags keep throughput.py's names, with nano-vllm's lengths),
   speculation on (the configuration's ``disable_by_batch_size`` as given, else its default)
@@ -157,10 +159,11 @@ def measure_decode(llm, prompts: list[list[int]], args: argparse.Namespace) -> t
 
 # ---- the two sides ----------------------------------------------------------------------------------
 def start_engine(args: argparse.Namespace, model_dir: str, speculative: bool):
+    """An engine for the decode figures: with speculation, drafts at any batch size (see the docstring)."""
     from novainfer import LLM
 
-    return LLM(model_dir, **{**engine_kwargs(args), "speculative_config": args.speculative_config if speculative
-                             else None})
+    spec = {"disable_by_batch_size": None, **args.speculative_config} if speculative else None
+    return LLM(model_dir, **{**engine_kwargs(args), "speculative_config": spec})
 
 
 def engine_facts(llm) -> dict[str, Any]:

@@ -234,6 +234,7 @@ def test_seeded_sampling_keeps_the_target_distribution(spec_model_dir, vocab_siz
               for seed in range(n)]
     spec = ngram(3) if method == "ngram" else {"method": method, "model": str(spec_model_dir),
                                                "num_speculative_tokens": 3}
+    spec["disable_by_batch_size"] = None  # thousands of requests run together: draft for them all
     completions, stats = generate(spec_model_dir, [prompt] * n, params, spec, max_num_seqs=512,
                                   kv_cache_memory_bytes=SMALL_KV)
     assert_both_paths_ran(stats)

@@ -24,6 +24,10 @@ def test_config_accepts_vllm_keys():
     assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 4, 2, 5)
     draft = SpeculativeConfig.from_dict({"method": "draft_model", "model": "some/dir", "num_speculative_tokens": 3})
     assert draft.model == "some/dir"
+    # The batch-size cut-off: 8 unless given, None (speculate at any batch size) accepted.
+    assert cfg.disable_by_batch_size == 8
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                                        "disable_by_batch_size": None}).disable_by_batch_size is None
 
 
 @pytest.mark.parametrize("values, named", [

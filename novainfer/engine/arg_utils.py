@@ -46,7 +46,7 @@ class EngineArgs:
     disable_custom_all_reduce: bool = False  # small GPU all-reduces through NCCL, not the custom kernels
     log_stats_interval: float = 5.0
     # Speculative decoding, with vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": None}, or
+    # "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": 8}, or
     # {"method": "draft_model", "model": DIR, "num_speculative_tokens": k}. None: off.
     speculative_config: dict[str, Any] | None = None
 

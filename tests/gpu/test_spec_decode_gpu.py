@@ -1,7 +1,8 @@
 """Speculative decoding on the GPU: steps with drafts replay mixed-step CUDA graphs where they fit
 one (eager otherwise), and greedy outputs equal those of plain decoding with async scheduling and
 graphs (the GPU defaults), and transformers' for one request; with n-gram drafts and with a draft
-model (whose steps replay graphs of its own)."""
+model (whose steps replay graphs of its own). Drafts at every batch size (no
+``disable_by_batch_size`` cut-off), so that large steps with drafts run too."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_greedy_speculative_outputs_on_gpu_equal_plain_ones(max_num_seqs):
     inputs = [{"prompt_token_ids": p} for p in prompts]
     plain = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs).generate(inputs, params, use_tqdm=False)
     llm = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None})
     spec = llm.generate(inputs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     stats = llm.llm_engine.get_stats()
@@ -59,7 +60,8 @@ def test_greedy_draft_model_outputs_on_gpu_equal_plain_ones(max_num_seqs, draft)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     plain = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs).generate(inputs, params, use_tqdm=False)
     llm = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs,
-              speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 4})
+              speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 4,
+                                  "disable_by_batch_size": None})
     spec = llm.generate(inputs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     stats = llm.llm_engine.get_stats()
@@ -77,7 +79,8 @@ def test_greedy_logprobs_and_penalties_with_speculation_on_gpu_equal_plain_ones(
     inputs = [{"prompt_token_ids": p} for p in _prompts(700)[:32]]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, logprobs=3, frequency_penalty=0.1)
     plain = LLM(str(model), device="cuda").generate(inputs, params, use_tqdm=False)
-    llm = LLM(str(model), device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(str(model), device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                             "disable_by_batch_size": None})
     spec = llm.generate(inputs, params, use_tqdm=False)
     stats = llm.llm_engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
