@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from novainfer.sample.rejection_sampler import rejection_sample
+from novainfer.sample.rejection_sampler import greedy_verify, rejection_sample
 from novainfer.spec_decode.config import SpeculativeConfig
 from novainfer.spec_decode.ngram_proposer import NgramProposer, propose_ngram
 
@@ -131,7 +131,8 @@ def _inputs(batch: int, k: int, vocab: int, generator: torch.Generator, one_hot:
     return target, drafts, draft_probs
 
 
-def test_greedy_accepts_exactly_the_argmax_matching_prefix():
+@pytest.mark.parametrize("verifier", ["rejection_sample", "greedy_verify"])
+def test_greedy_accepts_exactly_the_argmax_matching_prefix(verifier):
     g = torch.Generator().manual_seed(0)
     batch, k, vocab = 200, 4, 5
     target, _, _ = _inputs(batch, k, vocab, g, True)
@@ -143,8 +144,12 @@ def test_greedy_accepts_exactly_the_argmax_matching_prefix():
         if cut[b] < k:
             drafts[b, cut[b]] = (drafts[b, cut[b]] + 1) % vocab
     num_drafts = torch.randint(0, k + 1, (batch,), generator=g)
-    out = rejection_sample(target, drafts, num_drafts, None, argmax, torch.ones(batch, dtype=torch.bool),
-                           torch.rand(batch, k, generator=g), torch.ones(batch, vocab))
+    if verifier == "rejection_sample":
+        out = rejection_sample(target, drafts, num_drafts, None, argmax, torch.ones(batch, dtype=torch.bool),
+                               torch.rand(batch, k, generator=g), torch.ones(batch, vocab))
+    else:  # drafts padded with -1 past each row's own
+        padded = torch.where(torch.arange(k) < num_drafts.unsqueeze(1), drafts, -1)
+        out = greedy_verify(argmax, padded)
     for b in range(batch):
         accepted = 0
         while accepted < num_drafts[b] and drafts[b, accepted] == argmax[b, accepted]:

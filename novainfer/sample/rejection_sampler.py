@@ -58,8 +58,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     draft_of_draft = 1.0 if draft_probs is None else draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     accept_random = uniform * draft_of_draft < target_of_draft
     accept_greedy = drafts == greedy_token_ids[:, :k]
-    accept = torch.where(is_greedy.unsqueeze(1), accept_greedy, accept_random) & valid
-    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    num_accepted = _num_accepted(torch.where(is_greedy.unsqueeze(1), accept_greedy, accept_random) & valid)
 
     # The emitted token after the accepted drafts: from the residual where a draft was rejected,
     # else (every draft accepted) from the target's distribution at the bonus position.
@@ -83,6 +82,24 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     token_ids = torch.where(positions < num_accepted.unsqueeze(1), padded_drafts, -1)
     token_ids[rows, num_accepted] = final
     return RejectionSamplerOutput(token_ids, num_accepted + 1, num_accepted)
+
+
+def greedy_verify(greedy_token_ids: torch.Tensor, draft_token_ids: torch.Tensor) -> RejectionSamplerOutput:
+    """Verifies a batch of drafts of greedy requests only: what :func:`rejection_sample` gives them,
+    without the target's distributions. ``greedy_token_ids`` [B, k + 1]: the target's argmax at each
+    position; ``draft_token_ids`` [B, k], padded with negative ids past each row's drafts (they
+    never match). The accepted drafts equal the argmax, so row b emits ``greedy_token_ids[b, :n + 1]``
+    where n drafts were accepted."""
+    k = draft_token_ids.shape[1]
+    num_accepted = _num_accepted(draft_token_ids == greedy_token_ids[:, :k])
+    positions = torch.arange(k + 1, device=greedy_token_ids.device)
+    token_ids = torch.where(positions <= num_accepted.unsqueeze(1), greedy_token_ids, -1)
+    return RejectionSamplerOutput(token_ids, num_accepted + 1, num_accepted)
+
+
+def _num_accepted(accept: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the length of each row's leading run of accepted drafts (``accept`` [B, k])."""
+    return accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
 def add_preceding_drafts(metadata: SamplingMetadata, draft_token_ids: np.ndarray, num_draft_tokens: np.ndarray) -> None:

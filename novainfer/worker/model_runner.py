@@ -32,7 +32,9 @@ from novainfer.model_loader import load_model
 from novainfer.models.compile import compile_model
 from novainfer.sample import Sampler, SamplingStateTable
 from novainfer.sample.metadata import SamplingMetadata
-from novainfer.sample.rejection_sampler import RejectionSamplerOutput, add_preceding_drafts, rejection_sample
+from novainfer.sample.state import copy_to_device
+from novainfer.sample.rejection_sampler import (RejectionSamplerOutput, add_preceding_drafts, greedy_verify,
+                                                rejection_sample)
 from novainfer.sample.sampler import (LogprobsTensors, apply_min_tokens, apply_penalties, exponential_draws,
                                       gather_logprobs, sampling_probs)
 from novainfer.sampling_params import SamplingParams
@@ -668,8 +670,7 @@ class ModelRunner:
             counts = np.asarray(num_drafts, dtype=np.int64) + 1
             offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
             logits_indices = np.repeat(logits_indices - counts + 1, counts) + offsets
-        greedy = not spec_tokens and all(s.plain_greedy and n >= s.sampling_params.min_tokens
-                                         for s, n in zip(sampling, num_outputs))
+        greedy = all(s.plain_greedy and n >= s.sampling_params.min_tokens for s, n in zip(sampling, num_outputs))
         token_sources = None
         if sources:
             token_sources = np.full(len(input_ids), -1, dtype=np.int64)
@@ -685,7 +686,7 @@ class ModelRunner:
         if not sampling:
             return None
         if spec_tokens:
-            return self._verify_drafts(sampling, num_outputs, num_drafts, spec_tokens, head_output)
+            return self._verify_drafts(sampling, num_outputs, num_drafts, spec_tokens, head_output, greedy)
         if greedy:
             sampled, logprobs = self._greedy_tokens(head_output), None
         else:
@@ -698,44 +699,46 @@ class ModelRunner:
         return SampledStep.start_copy(sampling, sampled, logprobs)
 
     def _verify_drafts(self, sampling: list[CachedRequestState], num_outputs: list[int], num_drafts: list[int],
-                       spec_tokens: dict[str, list[int]], head_output: torch.Tensor) -> SampledStep:
+                       spec_tokens: dict[str, list[int]], head_output: torch.Tensor,
+                       plain_greedy: bool) -> SampledStep:
         """Speculative decoding: rejection sampling of each request's drafts against the target's
         distributions at its rows of ``head_output`` (the last known token's, then one per draft).
 
         Every row is sampled with its request's settings at its own output position (seeded noise
         and min_tokens are per position). Each position's noise row also gives the acceptance
-        uniform of that position's draft (see :func:`rejection_sample`).
+        uniform of that position's draft (see :func:`rejection_sample`). Steps whose requests are
+        all greedy compare the drafts with the argmax only; ``plain_greedy`` ones (no penalties,
+        logprobs or min_tokens either) also skip the sampling parameters.
         """
         counts = np.asarray(num_drafts, dtype=np.int64) + 1
-        table_rows = np.repeat(np.fromiter((s.row for s in sampling), np.int64, len(sampling)), counts)
         starts = np.cumsum(counts) - counts
-        positions = np.repeat(np.asarray(num_outputs, dtype=np.int64) - starts, counts) + np.arange(int(counts.sum()))
-        metadata = self.sampling_table.gather(table_rows, positions)
         k = int(counts.max()) - 1
         # Request b's rows padded to k + 1 positions (the padding repeats its last row, never read).
         index_np = starts[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None] - 1)
-        drafts_np = np.full((len(sampling), k), -1, dtype=np.int64)
+        drafts_np = np.full((len(sampling), k), -1, dtype=np.int64)  # padding that matches no token
         for b, state in enumerate(sampling):
             drafts_np[b, :num_drafts[b]] = spec_tokens.get(state.req_id, ())
+        index, drafts, num_drafts_d = copy_to_device([index_np, drafts_np, counts - 1], self.device)
+        if plain_greedy:
+            out = greedy_verify(self._greedy_tokens(head_output)[index], drafts)
+            return SampledStep.start_copy(sampling, out.token_ids, None, out.num_tokens)
+        table_rows = np.repeat(np.fromiter((s.row for s in sampling), np.int64, len(sampling)), counts)
+        positions = np.repeat(np.asarray(num_outputs, dtype=np.int64) - starts, counts) + np.arange(int(counts.sum()))
+        metadata = self.sampling_table.gather(table_rows, positions)
         full_logits = self._full_logits(head_output).float()
         logits = apply_min_tokens(full_logits, metadata)
         if not metadata.no_penalties:
             add_preceding_drafts(metadata, drafts_np, counts - 1)
             logits = apply_penalties(logits, metadata)
-        greedy_ids = logits.argmax(dim=-1)
-        index, drafts, num_drafts_d = (torch.from_numpy(a).to(self.device, non_blocking=True)
-                                       for a in (index_np, drafts_np, counts - 1))
         if metadata.all_greedy:
-            # Greedy rows read only the argmax: the logits stand in for the probabilities.
-            probs, noise = logits, torch.ones_like(logits)
+            out = greedy_verify(logits.argmax(dim=-1)[index], drafts)
         else:
             probs = sampling_probs(logits, metadata)
             probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalized
-            noise = exponential_draws(probs, torch.arange(probs.shape[-1], device=probs.device), metadata)
-        noise = noise[index]
-        uniform = torch.exp(-noise[:, :k].gather(-1, drafts.clamp(min=0).unsqueeze(-1)).squeeze(-1))
-        is_greedy = metadata.is_greedy[index[:, 0]]
-        out = rejection_sample(probs[index], drafts, num_drafts_d, None, greedy_ids[index], is_greedy, uniform, noise)
+            noise = exponential_draws(probs, torch.arange(probs.shape[-1], device=probs.device), metadata)[index]
+            uniform = torch.exp(-noise[:, :k].gather(-1, drafts.clamp(min=0).unsqueeze(-1)).squeeze(-1))
+            out = rejection_sample(probs[index], drafts, num_drafts_d, None, logits.argmax(dim=-1)[index],
+                                   metadata.is_greedy[index[:, 0]], uniform, noise)
         if not metadata.no_penalties:
             self._record_emitted(metadata, out, counts)
         logprobs = None
