@@ -166,10 +166,12 @@ class EngineCore:
         end."""
         spec = self.config.speculative_config
         sched = self.scheduler
-        decoding = [r for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
         for request in sched.running:
             request.spec_token_ids = []
-        if not decoding or (spec.disable_by_batch_size is not None and len(sched.running) > spec.disable_by_batch_size):
+        if spec.disable_by_batch_size is not None and len(sched.running) > spec.disable_by_batch_size:
+            return
+        decoding = [r for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding:
             return
         if spec.method == "ngram":
             proposals = self._ngram_drafts(decoding)

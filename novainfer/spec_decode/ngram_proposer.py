@@ -94,11 +94,11 @@ class NgramProposer:
         for stale in self._rows.keys() - set(request_ids):
             self._free.append(self._rows.pop(stale).index)
         lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
-        self._reserve(len(request_ids), int(lengths.max(initial=1)))
+        width = int(lengths.max(initial=1))
+        self._reserve(len(request_ids), width)
         rows = np.fromiter((self._write(rid, tokens) for rid, tokens in zip(request_ids, token_lists)),
                            dtype=np.int64, count=len(request_ids))
-        proposals = propose_ngram(self._table[rows, :int(lengths.max(initial=1))], lengths, self.min_n,
-                                  self.max_n, self.k)
+        proposals = propose_ngram(self._table[rows, :width], lengths, self.min_n, self.max_n, self.k)
         return [row[:num] for row, num in zip(proposals.token_ids.tolist(), proposals.num_tokens.tolist())]
 
     def _reserve(self, num_requests: int, length: int) -> None:
@@ -107,8 +107,8 @@ class NgramProposer:
         needed_rows = len(self._rows) + num_requests  # at most: some may have rows already
         if needed_rows <= height and length <= width:
             return
-        new_height = max(height, 2 * height if needed_rows > height else height, needed_rows, 8)
-        new_width = max(width, 2 * width if length > width else width, length, 256)
+        new_height = max(2 * height, needed_rows, 8) if needed_rows > height else height
+        new_width = max(2 * width, length, 256) if length > width else width
         grown = np.zeros((new_height, new_width), dtype=np.int32)
         grown[:height, :width] = self._table
         self._free += range(new_height - 1, height - 1, -1)

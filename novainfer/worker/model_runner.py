@@ -32,11 +32,11 @@ from novainfer.model_loader import load_model
 from novainfer.models.compile import compile_model
 from novainfer.sample import Sampler, SamplingStateTable
 from novainfer.sample.metadata import SamplingMetadata
-from novainfer.sample.state import copy_to_device
 from novainfer.sample.rejection_sampler import (RejectionSamplerOutput, add_preceding_drafts, greedy_verify,
                                                 rejection_sample)
 from novainfer.sample.sampler import (LogprobsTensors, apply_min_tokens, apply_penalties, exponential_draws,
                                       gather_logprobs, sampling_probs)
+from novainfer.sample.state import copy_to_device
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graphs import GraphKey, StepGraphs, cudagraph_capture_sizes
 from novainfer.worker.input_buffers import BufferCapacity, StepInputBuffers
