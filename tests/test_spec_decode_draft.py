@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.draft_model import write_truncated_copy
+from benchmarks.draft_model import write_damped_copy, write_truncated_copy
 from novainfer import LLM, SamplingParams
 from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.sched.request import Request
@@ -53,6 +53,22 @@ def test_truncated_copy_keeps_the_first_layers_only(spec_model_dir, tmp_path):
     assert (draft / "tokenizer.json").read_bytes() == (spec_model_dir / "tokenizer.json").read_bytes()
     with pytest.raises(ValueError, match="num_layers"):
         write_truncated_copy(spec_model_dir, tmp_path, 3)
+
+
+def test_damped_copy_scales_the_later_layers_output_projections_only(spec_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    def tensors(directory: Path) -> dict:
+        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    original = tensors(spec_model_dir)
+    damped = tensors(write_damped_copy(spec_model_dir, tmp_path / "damped", 1, 0.25))
+    assert damped.keys() == original.keys()
+    for name, tensor in original.items():
+        later_output = ".layers.0." not in name and name.endswith(("o_proj.weight", "down_proj.weight"))
+        expected = (tensor.float() * 0.25).to(tensor.dtype) if later_output else tensor
+        assert torch.equal(damped[name], expected), name
+    assert sum(".layers.1." in n and n.endswith("o_proj.weight") for n in damped) == 1
 
 
 def draft_model(model: Path, k: int, **extra) -> dict:
