@@ -5,7 +5,7 @@ layout) or in a thread of this process (``multiprocess=False``: embedding, tests
 is reached through :class:`~novainfer.engine.core_client.CoreClient`'s ZMQ sockets. Everything
 else happens on the event loop: tokenization and validation (``InputProcessor``), detokenization,
 stop strings and n>1 gathering (``OutputProcessor``). Adds and aborts made during one turn of the
-event loop go to the core as one batch. A receiver thread waits for the core's messages and wakes
+event loop go to the core as one batch (a long turn sends its adds every few milliseconds). A receiver thread waits for the core's messages and wakes
 the loop once per batch of steps; the loop then feeds every request stream touched.
 
 If the core dies, every in-flight request fails with :class:`EngineDeadError`, new requests are
@@ -42,6 +42,10 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineLoad", "MIN_STEP_S_ENV", 
 
 # How long the receiver thread waits for the core before looking whether it should stop.
 _RECEIVE_POLL_S = 0.1
+# The oldest request a batch for the core holds before it is sent. A batch is otherwise sent at
+# the end of the event loop's turn, and the turn that admits a burst of hundreds of requests lasts
+# long enough to keep the core idle for a good part of a second.
+_MAX_BATCH_AGE_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._receiver: threading.Thread | None = None
         self._pending_adds: list[EngineCoreRequest] = []
+        self._pending_since = 0.0  # when the oldest of them was added
         self._pending_aborts: list[str] = []
         self._flush_scheduled = False
         self._dead_error: EngineDeadError | None = None
@@ -203,8 +208,14 @@ class AsyncLLMEngine:
         self.output_processor.add_request(request_id, text, token_ids, params.output_kind, children)
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
+        now = time.monotonic()
+        if not self._pending_adds:
+            self._pending_since = now
         self._pending_adds += children
-        self._schedule_flush()
+        if now - self._pending_since >= _MAX_BATCH_AGE_S:
+            self._flush()
+        else:
+            self._schedule_flush()
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
