@@ -124,6 +124,21 @@ class CoreClient:
         runner = self._process if self._process is not None else self._thread
         return runner is not None and runner.is_alive()
 
+    @property
+    def output_fd(self) -> int:
+        """A file descriptor that turns readable when messages from the core may have come: ZMQ
+        signals it once per change, so a reader woken by it takes every waiting message
+        (``get_output(0)`` until None) before it waits again."""
+        return self._output.getsockopt(zmq.FD)
+
+    def check_alive(self) -> None:
+        """Raises EngineDeadError if the core is gone, for receivers that wait on :attr:`output_fd`
+        (a killed core sends nothing)."""
+        if self.dead_error is None and not self.is_alive():
+            self._die(self._exit_description())
+        if self.dead_error is not None:
+            raise self.dead_error
+
     def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
         """The next step's outputs (None if none came within ``timeout_s``; 0: only one already
         here, without looking whether the core lives); raises EngineDeadError once the core is
