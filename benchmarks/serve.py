@@ -44,6 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
@@ -198,10 +199,10 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in sse_data(response):
+                if data == "[DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(data)
                 if "error" in chunk:
                     result.error = chunk["error"].get("message")
                     return result
@@ -223,6 +224,18 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
     if not result.ok:
         result.error = "no tokens streamed"
     return result
+
+
+async def sse_data(response: Any) -> AsyncIterator[str]:
+    """The data of each server-sent event of a streamed response. A line ends at "\n" only, as the
+    server writes them: ``aiter_lines`` also ends one at every Unicode line boundary (U+2028, U+0085,
+    ...), which generated text may hold inside a JSON string."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            if line.startswith("data: "):
+                yield line[len("data: "):]
 
 
 def _carries_tokens(choice: dict[str, Any]) -> bool:

@@ -153,3 +153,27 @@ def test_plot_of_the_sweep(sweep):
     assert png == out / "run.png"
     height, width, _ = imread(png).shape
     assert (width, height) == (1800, 540)
+
+
+def test_sse_data_ends_lines_only_at_newlines():
+    """Generated text may hold Unicode line boundaries (U+2028, U+0085, U+001C) inside a JSON string: the
+    client's event parser keeps them, whichever way the response's bytes are split into reads."""
+    import asyncio
+
+    texts = ["a\u2028b", "c\x85d", "e\x1cf", "plain"]
+    events = "".join(f"data: {json.dumps({'text': t}, ensure_ascii=False)}\n\n" for t in texts) + "data: [DONE]\n\n"
+
+    class Response:
+        def __init__(self, size: int) -> None:
+            self.pieces = [events[i:i + size] for i in range(0, len(events), size)]
+
+        async def aiter_text(self):
+            for piece in self.pieces:
+                yield piece
+
+    async def collect(size: int) -> list[str]:
+        return [data async for data in serve.sse_data(Response(size))]
+
+    for size in (1, 7, len(events)):
+        datas = asyncio.run(collect(size))
+        assert datas[-1] == "[DONE]" and [json.loads(d)["text"] for d in datas[:-1]] == texts

@@ -2,10 +2,12 @@
 RequestOutputs) and the engine core (scheduler, KV cache manager, executor).
 
 The core takes :class:`EngineCoreRequest` s (one per sequence: a request with ``n`` > 1 arrives as
-``n`` of them) and aborts, and returns one :class:`EngineCoreOutputs` per step, holding one
-:class:`EngineCoreOutput` per request that got tokens or finished in that step. Outputs are deltas:
-nothing in them grows with the length of a request. They are msgspec structs, so that the same
-objects cross a process boundary as compact msgpack (see ``novainfer.engine.serial``).
+``n`` of them) and aborts, and returns one :class:`EngineCoreOutputs` per step: flat columns over
+the requests that got tokens or finished in that step (the scheduler's per-request
+:class:`EngineCoreOutput` s, laid out column by column). Outputs are deltas: nothing in them grows
+with the length of a request. They are msgspec structs, so that the same objects cross a process
+boundary as compact msgpack (see ``novainfer.engine.serial``); a step's message is a handful of
+lists whatever its batch, cheap to encode, to decode and for the collector to ignore.
 """
 
 from __future__ import annotations
@@ -68,8 +70,48 @@ class EngineCoreStats(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Everything one step (or one abort) produced, sent as one message."""
+    """Everything one step (or one abort) produced, as one message of columns.
 
-    outputs: list[EngineCoreOutput] = []
+    Request ``request_ids[i]`` got ``num_new_tokens[i]`` tokens, the next ones of ``token_ids`` (in
+    the order of ``request_ids``). The rarer facts are sparse columns naming requests by their
+    index ``i``: the requests that finished, those that got their first tokens, those with logprobs.
+    """
+
+    request_ids: list[str] = []
+    num_new_tokens: list[int] = []
+    token_ids: list[int] = []
+    finished: list[int] = []  # indices of the requests that finished in this step
+    finish_reasons: list[str] = []  # per finished request: "stop" | "length" | "abort"
+    stop_reasons: list[int | None] = []  # per finished request: the stop token id that ended it, if one did
+    started: list[int] = []  # indices of the requests whose first tokens these are
+    num_cached_tokens: list[int] = []  # per started request
+    first_scheduled_times: list[float | None] = []  # per started request
+    with_logprobs: list[int] = []  # indices of the requests that asked for logprobs
+    # Per request with logprobs, per new token: (token ids, logprobs, rank of the sampled token);
+    # index 0 of the lists is the sampled token, then the top alternatives.
+    logprobs: list[list[tuple[list[int], list[float], int]]] = []
     stats: EngineCoreStats | None = None
     timestamp: float = 0.0  # time.time() when the step's tokens were known
+
+    @classmethod
+    def from_outputs(cls, outputs: list[EngineCoreOutput], stats: EngineCoreStats | None,
+                     timestamp: float) -> EngineCoreOutputs:
+        """The columns of per-request outputs (one comprehension per column: this runs on the
+        core's critical path, once per step)."""
+        if not outputs:
+            return cls(stats=stats, timestamp=timestamp)
+        # num_cached_tokens is set on a request's first output only.
+        rare = [i for i, o in enumerate(outputs)
+                if o.finish_reason is not None or o.num_cached_tokens >= 0 or o.new_logprobs is not None]
+        finished = [i for i in rare if outputs[i].finish_reason is not None]
+        started = [i for i in rare if outputs[i].num_cached_tokens >= 0]
+        with_logprobs = [i for i in rare if outputs[i].new_logprobs is not None]
+        return cls(request_ids=[o.request_id for o in outputs],
+                   num_new_tokens=[len(o.new_token_ids) for o in outputs],
+                   token_ids=[token for o in outputs for token in o.new_token_ids],
+                   finished=finished, finish_reasons=[outputs[i].finish_reason for i in finished],
+                   stop_reasons=[outputs[i].stop_reason for i in finished],
+                   started=started, num_cached_tokens=[outputs[i].num_cached_tokens for i in started],
+                   first_scheduled_times=[outputs[i].first_scheduled_time for i in started],
+                   with_logprobs=with_logprobs, logprobs=[outputs[i].new_logprobs for i in with_logprobs],
+                   stats=stats, timestamp=timestamp)

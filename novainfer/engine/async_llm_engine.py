@@ -5,8 +5,14 @@ layout) or in a thread of this process (``multiprocess=False``: embedding, tests
 is reached through :class:`~novainfer.engine.core_client.CoreClient`'s ZMQ sockets. Everything
 else happens on the event loop: tokenization and validation (``InputProcessor``), detokenization,
 stop strings and n>1 gathering (``OutputProcessor``). Adds and aborts made during one turn of the
-event loop go to the core as one batch. A receiver thread waits for the core's messages and wakes
-the loop once per batch of steps; the loop then feeds every request stream touched.
+event loop go to the core as one batch. The core's messages are read on the event loop itself,
+when their socket turns readable: every step waiting is applied in one callback, which wakes each
+request stream touched once. No thread of this process contends with the loop for the interpreter.
+
+Adds are not sent before the turn ends, though a burst's turn admits hundreds of requests: a core
+started on the first few would make their tokens while the loop is still admitting the rest, and
+each of those streams would then wait the whole turn between two chunks (on a 500-request burst
+with a stand-in core of 3.3 ms steps: TTFT mean 10% lower, ITL p99 twice as high).
 
 If the core dies, every in-flight request fails with :class:`EngineDeadError`, new requests are
 refused, and ``is_healthy`` turns false.
@@ -40,8 +46,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineLoad", "MIN_STEP_S_ENV", "RequestStream",
            "TEST_STALL_FILE_ENV"]
 
-# How long the receiver thread waits for the core before looking whether it should stop.
-_RECEIVE_POLL_S = 0.1
+# How often the event loop looks whether the core still lives (a killed core sends nothing).
+_LIVENESS_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,7 @@ class AsyncLLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._receiver: threading.Thread | None = None
+        self._liveness_timer: asyncio.TimerHandle | None = None
         self._pending_adds: list[EngineCoreRequest] = []
         self._pending_aborts: list[str] = []
         self._flush_scheduled = False
@@ -159,8 +165,7 @@ class AsyncLLMEngine:
         if self._stopped:
             return
         self._stopped = True
-        if self._receiver is not None and self._receiver is not threading.current_thread():
-            self._receiver.join(10 * _RECEIVE_POLL_S)
+        self._unbind_loop()
         self.core.shutdown()
         self._notify_dead(EngineDeadError(f"engine {self.name} is shut down"))
 
@@ -251,11 +256,33 @@ class AsyncLLMEngine:
             return
         if self._loop is not None and self._loop.is_running():
             raise RuntimeError(f"engine {self.name} is already served by another event loop")
+        self._unbind_loop()
         self._loop = loop
-        if self._receiver is None:
-            self._receiver = threading.Thread(target=self._receive, name=f"novainfer-receiver-{self.name}",
-                                              daemon=True)
-            self._receiver.start()
+        loop.add_reader(self.core.output_fd, self._receive)
+        self._liveness_timer = loop.call_later(_LIVENESS_POLL_S, self._check_alive)
+        self._receive()  # what came while no loop listened: the descriptor will not signal it again
+
+    def _unbind_loop(self) -> None:
+        """Stops reading on the bound loop; from another thread while it runs, waits for it to."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if loop.is_running() and _running_loop() is not loop:
+            done = threading.Event()
+
+            def unbind() -> None:
+                self._stop_reading(loop)
+                done.set()
+
+            self._call_soon(unbind)
+            done.wait(1.0)
+            return
+        self._stop_reading(loop)
+
+    def _stop_reading(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._liveness_timer is not None:
+            self._liveness_timer.cancel()
+        loop.remove_reader(self.core.output_fd)
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -277,32 +304,36 @@ class AsyncLLMEngine:
 
     # ---- from the core --------------------------------------------------------------------------
     def _receive(self) -> None:
-        """The receiver thread: hands every batch of the core's messages to the loop in one call."""
-        while not self._stopped:
-            try:
-                first = self.core.get_output(_RECEIVE_POLL_S)
-            except EngineDeadError as exc:
-                if not self._stopped:
-                    self._call_soon(self._on_dead, exc)
-                return
-            if first is None:
-                continue
-            batch = [first]
-            while True:
-                try:
-                    more = self.core.get_output(0)
-                except EngineDeadError:
-                    break  # reported by the next wait
-                if more is None:
-                    break
-                batch.append(more)
-            self._call_soon(self._on_outputs, batch)
+        """Applies every message waiting from the core (the loop calls it when they come)."""
+        if self._stopped or self._dead_error is not None:
+            return
+        batch = []
+        try:
+            while (outputs := self.core.get_output(0)) is not None:
+                batch.append(outputs)
+        except EngineDeadError as exc:
+            self._on_outputs(batch)
+            self._on_dead(exc)
+            return
+        if batch:
+            self._on_outputs(batch)
 
     def _call_soon(self, callback, *args) -> None:
         try:
             self._loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _check_alive(self) -> None:
+        self._receive()  # a core that failed said why before it exited
+        if self._stopped or self._dead_error is not None:
+            return
+        try:
+            self.core.check_alive()
+        except EngineDeadError as exc:
+            self._on_dead(exc)
+            return
+        self._liveness_timer = self._loop.call_later(_LIVENESS_POLL_S, self._check_alive)
 
     def _on_outputs(self, batch: list[EngineCoreOutputs]) -> None:
         self._progress_time = time.monotonic()
@@ -333,11 +364,7 @@ class AsyncLLMEngine:
         """Fails every in-flight request (on the loop, if there is one)."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is not loop:
+            if _running_loop() is not loop:
                 self._call_soon(self._fail_streams, error)
                 return
         self._fail_streams(error)
@@ -347,3 +374,10 @@ class AsyncLLMEngine:
         self.output_processor.fail_all()
         for stream in streams.values():
             stream.put_final(error)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

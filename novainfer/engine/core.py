@@ -196,7 +196,7 @@ class EngineCore:
         return outputs
 
     def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
-        return EngineCoreOutputs(outputs, self.make_stats(), time.time())
+        return EngineCoreOutputs.from_outputs(outputs, self.make_stats(), time.time())
 
     def make_stats(self) -> EngineCoreStats:
         """A snapshot of the stats (the core keeps updating its own)."""

@@ -124,10 +124,26 @@ class CoreClient:
         runner = self._process if self._process is not None else self._thread
         return runner is not None and runner.is_alive()
 
+    @property
+    def output_fd(self) -> int:
+        """A file descriptor that turns readable when messages from the core may have come: ZMQ
+        signals it once per change, so a reader woken by it takes every waiting message
+        (``get_output(0)`` until None) before it waits again."""
+        return self._output.getsockopt(zmq.FD)
+
+    def check_alive(self) -> None:
+        """Raises EngineDeadError if the core is gone, for receivers that wait on :attr:`output_fd`
+        (a killed core sends nothing)."""
+        if self.dead_error is None and not self.is_alive():
+            self._die(self._exit_description())
+        if self.dead_error is not None:
+            raise self.dead_error
+
     def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
-        """The next step's outputs (None if none came within ``timeout_s``); raises EngineDeadError
-        once the core is gone. Called from one thread only."""
-        message = self._receive(timeout_s)
+        """The next step's outputs (None if none came within ``timeout_s``; 0: only one already
+        here, without looking whether the core lives); raises EngineDeadError once the core is
+        gone. Called from one thread only."""
+        message = self._receive_waiting() if timeout_s == 0 else self._receive(timeout_s)
         if message is None:
             return None
         if not isinstance(message, StepOutputs):
@@ -146,16 +162,29 @@ class CoreClient:
             if deadline is not None:
                 wait_ms = max(0, min(wait_ms, int(1000 * (deadline - time.monotonic()))))
             if self._poller.poll(wait_ms):
-                message = core_message_decoder.decode(self._output.recv(copy=False).buffer)
-                if isinstance(message, CoreFailed):
-                    self._die(f"failed: {message.error}")
-                    continue
-                return message
+                message = self._receive_waiting()
+                if message is not None:
+                    return message
+                continue
             if not self.is_alive():
                 self._die(self._exit_description())
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+
+    def _receive_waiting(self) -> StepOutputs | CoreReady | None:
+        """A message already waiting, if there is one."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        try:
+            frame = self._output.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        message = core_message_decoder.decode(frame.buffer)
+        if isinstance(message, CoreFailed):
+            self._die(f"failed: {message.error}")
+            raise self.dead_error
+        return message
 
     def _exit_description(self) -> str:
         if self._closed:
@@ -221,4 +250,4 @@ class SyncMPClient(CoreClient):
 
     def step(self) -> EngineCoreOutputs:
         outputs = self.get_output(self.step_timeout_s)
-        return outputs if outputs is not None else EngineCoreOutputs([], None, time.time())
+        return outputs if outputs is not None else EngineCoreOutputs(timestamp=time.time())

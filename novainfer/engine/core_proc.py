@@ -75,7 +75,7 @@ class EngineCoreLoop:
                 return
             if not core.has_work():
                 if received:  # gauges see added and aborted requests before a long step
-                    self.send(StepOutputs(EngineCoreOutputs([], core.make_stats(), time.time())))
+                    self.send(StepOutputs(EngineCoreOutputs(stats=core.make_stats(), timestamp=time.time())))
                 continue
             self._wait_while_test_stalled()
             steps_before = core.stats.num_steps
@@ -84,7 +84,7 @@ class EngineCoreLoop:
             if self._min_step_s:
                 time.sleep(max(0.0, started + self._min_step_s - time.monotonic()))
             self.send(StepOutputs(outputs))
-            if core.stats.num_steps == steps_before and not outputs.outputs:
+            if core.stats.num_steps == steps_before and not outputs.request_ids:
                 # Nothing could be scheduled (e.g. the KV cache is full): wait a little, not spin.
                 if self._receive(_STALL_POLL_MS) is None:
                     return

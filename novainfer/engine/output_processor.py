@@ -12,7 +12,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from novainfer.engine.detokenizer import TokenTexts
 from novainfer.engine.output_text import OutputTextState
 from novainfer.outputs import CompletionOutput, FlatLogprobs, RequestMetrics, RequestOutput
@@ -120,46 +120,63 @@ class OutputProcessor:
         touched: dict[str, None] = {}
         to_abort: list[str] = []
         now = core_outputs.timestamp
-        for output in core_outputs.outputs:
-            entry = self.children.get(output.request_id)
+        m = core_outputs
+        # The sparse columns by request index (most steps have none: decode steps without logprobs).
+        finished = dict(zip(m.finished, zip(m.finish_reasons, m.stop_reasons))) if m.finished else {}
+        started = dict(zip(m.started, zip(m.num_cached_tokens, m.first_scheduled_times))) if m.started else {}
+        logprobs = dict(zip(m.with_logprobs, m.logprobs)) if m.with_logprobs else {}
+        children = self.children
+        token_ids = m.token_ids
+        end = 0
+        for index, (request_id, num_new) in enumerate(zip(m.request_ids, m.num_new_tokens)):
+            start = end
+            end += num_new
+            entry = children.get(request_id)
             if entry is None:
                 continue  # finished here (stop string, abort) while the core was still running it
             parent, child = entry
             if child.finish_reason is not None:
                 continue
-            self._start(parent, child, output, now)
-            self._apply(child, output)
+            if not child.token_ids:
+                self._start(parent, child, started.get(index), now)
+            finish = finished.get(index)
+            self._apply(child, token_ids[start:end], logprobs.get(index), finish)
             if child.finish_reason is not None:
                 self._finish(parent, child, now)
-                if output.finish_reason is None:
+                if finish is None:
                     to_abort.append(child.request_id)
             if parent.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished():
                 touched[parent.request_id] = None
             parent.metrics.last_token_time = now
         return list(touched), to_abort
 
-    def _start(self, parent: ParentState, child: ChildState, output: EngineCoreOutput, now: float) -> None:
-        if child.token_ids:
-            return
+    def _start(self, parent: ParentState, child: ChildState, first: tuple[int, float | None] | None,
+               now: float) -> None:
+        """A sequence's first tokens; ``first``: the core's (cached prompt tokens, first scheduled time)."""
         self.load.num_waiting -= 1
         self.load.num_waiting_prompt_tokens -= len(parent.prompt_token_ids)
         self.load.num_running += 1
         if not parent.started:
             parent.started = True
-            parent.num_cached_tokens = max(output.num_cached_tokens, 0)
-            parent.metrics.first_scheduled_time = output.first_scheduled_time
+            num_cached_tokens, first_scheduled_time = first if first is not None else (0, None)
+            parent.num_cached_tokens = max(num_cached_tokens, 0)
+            parent.metrics.first_scheduled_time = first_scheduled_time
             parent.metrics.first_token_time = now
 
-    def _apply(self, child: ChildState, output: EngineCoreOutput) -> None:
-        """Adds a sequence's new tokens, detokenizes them and checks stop strings."""
+    def _apply(self, child: ChildState, new_ids: list[int],
+               new_logprobs: list[tuple[list[int], list[float], int]] | None,
+               finish: tuple[str, int | None] | None) -> None:
+        """Adds a sequence's new tokens, detokenizes them and checks stop strings; ``finish``: the
+        core's (finish reason, stop reason) when the sequence finished in the core."""
         params = child.params
-        new_ids = output.new_token_ids
         # A stop token (EOS or stop_token_ids) ends the text without being rendered, unless asked.
-        num_text = len(new_ids) - (output.finish_reason == "stop" and not params.include_stop_str_in_output)
+        num_text = len(new_ids) - (finish is not None and finish[0] == "stop" and not params.include_stop_str_in_output)
+        if child.logprobs is None:
+            new_logprobs = None
         if child.text is None or not params.stop:
             child.token_ids += new_ids
-            if output.new_logprobs is not None and child.logprobs is not None:
-                for logprobs in output.new_logprobs:
+            if new_logprobs is not None:
+                for logprobs in new_logprobs:
                     self._add_logprobs(child, logprobs)
             if child.text is not None and num_text > 0:
                 child.text.append_tokens(new_ids[:num_text])
@@ -167,15 +184,15 @@ class OutputProcessor:
             # Token by token: the tokens after the one that completes a stop string are dropped.
             for position, token in enumerate(new_ids):
                 child.token_ids.append(token)
-                if output.new_logprobs is not None and child.logprobs is not None:
-                    self._add_logprobs(child, output.new_logprobs[position])
+                if new_logprobs is not None:
+                    self._add_logprobs(child, new_logprobs[position])
                 if position < num_text:
                     stop_str = child.text.append_tokens([token])
                     if stop_str is not None:
                         child.finish_reason, child.stop_reason = "stop", stop_str
                         return
-        if output.finish_reason is not None:
-            child.finish_reason, child.stop_reason = output.finish_reason, output.stop_reason
+        if finish is not None:
+            child.finish_reason, child.stop_reason = finish
 
     def _add_logprobs(self, child: ChildState, logprobs: tuple[list[int], list[float], int]) -> None:
         ids, values, rank = logprobs

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -199,6 +200,9 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Streaming responses run on anyio, which imports its event-loop backend on first use: here,
+        # not inside the first burst of requests (it took 100 ms of a small machine's event loop).
+        await anyio.sleep(0)
         if owns_registry:
             registry.load_in_background(on_load_failure)
         try:

@@ -129,14 +129,15 @@ class ChatHandler(GenerationHandler):
                                       session_id=self.body.session_id)
 
     async def _stream_choices(self, submission: Submission,
-                              finals: list[RequestOutput | None]) -> AsyncIterator[dict[str, Any]]:
+                              finals: list[RequestOutput | None]) -> AsyncIterator[list[dict[str, Any]]]:
         model = submission.model
         n = self.body.n
-        for i in range(n):
-            yield {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+               for i in range(n)]
         reported_logprobs = [0] * n
         finished: set[int] = set()
         async for _, output in self._outputs(submission, finals):
+            choices = []
             for c in output.outputs:
                 if c.index in finished:
                     continue
@@ -149,11 +150,13 @@ class ChatHandler(GenerationHandler):
                 if c.delta_text or logprobs is not None:
                     if logprobs is not None:
                         reported_logprobs[c.index] = len(c.logprobs)
-                    yield {"index": c.index, "delta": {"content": c.delta_text}, "logprobs": logprobs,
-                           "finish_reason": None}
+                    choices.append({"index": c.index, "delta": {"content": c.delta_text}, "logprobs": logprobs,
+                                    "finish_reason": None})
                 if c.finish_reason is not None:
                     finished.add(c.index)
-                    yield {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
-                           "stop_reason": c.stop_reason}
+                    choices.append({"index": c.index, "delta": {}, "logprobs": None,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if choices:
+                yield choices
         final = finals[0]
         assert final is not None and final.finished

@@ -318,25 +318,33 @@ class GenerationHandler(ABC):
 
     @abstractmethod
     def _stream_choices(self, submission: Submission,
-                        finals: list[RequestOutput | None]) -> AsyncIterator[dict[str, Any]]:
-        """The choice of each SSE chunk, in order, read from ``self._outputs(submission, finals)``."""
+                        finals: list[RequestOutput | None]) -> AsyncIterator[list[dict[str, Any]]]:
+        """The choices of the SSE chunks, in order, read from ``self._outputs(submission, finals)``:
+        a list for each output read (one SSE event per choice, the list's events in one write)."""
 
     async def _stream(self, submission: Submission) -> AsyncIterator[bytes]:
         model = submission.model
         tracker = submission.tracker
         created = int(self.arrival_time)
         status, http_status, error = "ok", 200, None
+        last = b""  # the events held back to go out with the stream's end
         try:
             finals: list[RequestOutput | None] = [None] * len(submission.streams)
-            async for choice in self._stream_choices(submission, finals):
-                yield self._chunk(model.name, created, [choice])
+            num_open = len(submission.streams) * self.body.n  # choices not yet finished
+            async for choices in self._stream_choices(submission, finals):
+                events = b"".join([self._chunk(model.name, created, [choice]) for choice in choices])
+                num_open -= sum(choice["finish_reason"] is not None for choice in choices)
+                if num_open > 0:
+                    yield events
+                else:  # the last events: written with the usage and [DONE] that follow at once
+                    last += events
             done = [f for f in finals if f is not None]
             usage = usage_of(done)
             tracker.set_usage(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                yield self._chunk(model.name, created, [], usage=usage.model_dump())
+                last += self._chunk(model.name, created, [], usage=usage.model_dump())
             self._on_complete(model.name, done)
-            yield SSE_DONE
+            yield last + SSE_DONE
         except (asyncio.CancelledError, GeneratorExit):
             status, http_status = "client_disconnected", None
             raise
@@ -344,8 +352,7 @@ class GenerationHandler(ABC):
             err = exc if isinstance(exc, OpenAIError) else engine_failure(exc)
             status, http_status, error = "error", err.status, repr(exc)
             self.log.error("%s stream %s failed: %r", self.kind, tracker.request_id, exc)
-            yield sse_event(error_body(err, request_id_of(self.request)))
-            yield SSE_DONE
+            yield last + sse_event(error_body(err, request_id_of(self.request))) + SSE_DONE
         finally:
             tracker.finish(status, http_status, error)
             self.scope.close()

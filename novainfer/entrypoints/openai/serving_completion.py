@@ -80,7 +80,7 @@ class CompletionHandler(GenerationHandler):
         return CompletionResponse(id=self.response_id, model=model.name, choices=choices, usage=usage)
 
     async def _stream_choices(self, submission: Submission,
-                              finals: list[RequestOutput | None]) -> AsyncIterator[dict[str, Any]]:
+                              finals: list[RequestOutput | None]) -> AsyncIterator[list[dict[str, Any]]]:
         model = submission.model
         n = self.body.n
         top = self.body.logprobs
@@ -89,6 +89,7 @@ class CompletionHandler(GenerationHandler):
         text_offsets = [0] * num_choices
         finished: set[int] = set()
         async for prompt_index, output in self._outputs(submission, finals):
+            choices = []
             for c in output.outputs:
                 index = prompt_index * n + c.index
                 if index in finished:
@@ -105,5 +106,7 @@ class CompletionHandler(GenerationHandler):
                         text_offsets[index] += sum(len(t) for t in logprobs["tokens"])
                     if done:
                         finished.add(index)
-                    yield {"index": index, "text": c.delta_text, "logprobs": logprobs,
-                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason if done else None}
+                    choices.append({"index": index, "text": c.delta_text, "logprobs": logprobs,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason if done else None})
+            if choices:
+                yield choices

@@ -1,0 +1,49 @@
+"""The per-step message of the engine core: per-request outputs laid out as columns, through the wire."""
+
+from __future__ import annotations
+
+from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreStats
+from novainfer.engine.serial import StepOutputs, core_message_decoder, core_message_encoder
+
+
+def _rows(message: EngineCoreOutputs) -> list[EngineCoreOutput]:
+    """The per-request outputs back from the columns, read as the message's docstring lays them out."""
+    finished = {i: (r, s) for i, r, s in zip(message.finished, message.finish_reasons, message.stop_reasons)}
+    started = {i: (n, t) for i, n, t in zip(message.started, message.num_cached_tokens,
+                                             message.first_scheduled_times)}
+    logprobs = dict(zip(message.with_logprobs, message.logprobs))
+    rows, offset = [], 0
+    for i, (request_id, num) in enumerate(zip(message.request_ids, message.num_new_tokens)):
+        reason, stop = finished.get(i, (None, None))
+        cached, first_time = started.get(i, (-1, None))
+        rows.append(EngineCoreOutput(request_id, message.token_ids[offset:offset + num], logprobs.get(i), reason, stop,
+                                     cached, first_time))
+        offset += num
+    assert offset == len(message.token_ids)
+    return rows
+
+
+def _through_wire(message: EngineCoreOutputs) -> EngineCoreOutputs:
+    return core_message_decoder.decode(core_message_encoder.encode(StepOutputs(message))).outputs
+
+
+def test_a_mixed_step_survives_the_columns_and_the_wire():
+    outputs = [
+        EngineCoreOutput("decoding", [11]),
+        EngineCoreOutput("first", [12], num_cached_tokens=16, first_scheduled_time=5.5),
+        EngineCoreOutput("speculative", [13, 14, 15]),
+        EngineCoreOutput("eos", [2], finish_reason="stop"),
+        EngineCoreOutput("stop-id", [7, 9], finish_reason="stop", stop_reason=9),
+        EngineCoreOutput("length", [21], finish_reason="length", num_cached_tokens=0, first_scheduled_time=6.0),
+        EngineCoreOutput("logprobs", [31, 32], new_logprobs=[([31, 4], [-0.5, -1.5], 1), ([32], [-0.25], 1)]),
+        EngineCoreOutput("aborted-empty", [], finish_reason="abort"),
+    ]
+    stats = EngineCoreStats(num_running_reqs=3, num_steps=7)
+    message = _through_wire(EngineCoreOutputs.from_outputs(outputs, stats, 123.5))
+    assert _rows(message) == outputs
+    assert message.stats == stats and message.timestamp == 123.5
+
+
+def test_an_empty_step_is_an_empty_message():
+    message = _through_wire(EngineCoreOutputs.from_outputs([], None, 1.0))
+    assert _rows(message) == [] and message.stats is None and message.timestamp == 1.0
