@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.sample import rng
+from novainfer.sample import rng, topk
 from novainfer.sample.metadata import SamplingMetadata
 
 # The hash's constants (see novainfer.sample.rng), as compile-time constants of the kernels.
@@ -188,7 +188,8 @@ def _stand_in(tensor: torch.Tensor | None, dtype: torch.dtype, device: torch.dev
 
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compiles every variant of the sampler's kernels for logits [B, ``vocab_size``] of ``dtype``: the
-    draw with and without noise and log-sum-exp, the rank count, and the noise of chosen tokens."""
+    draw with and without noise and log-sum-exp, the rank count, the top-k of each width and the
+    noise of chosen tokens."""
     logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
     one = torch.ones(1, dtype=torch.float32, device=device)
     keys = torch.zeros(1, dtype=torch.int64, device=device)
@@ -197,6 +198,10 @@ def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         for with_lse in (False, True):
             _draw(logits, one, greedy, noise, None, None, one, None, None, None, with_lse, 4096)
     count_greater(logits, one, torch.ones(1, dtype=torch.bool, device=device))
+    # Top-k candidates read the raw logits, or float32 ones where penalties or min_tokens apply.
+    for top_k_dtype in {dtype, torch.float32}:
+        for width in topk.WIDTHS:
+            topk.top_k(logits.to(top_k_dtype), min(width, vocab_size))  # every width a k <= V can take
     for token_ids in (keys, keys.view(1, 1)):
         exponential_noise_triton(keys, token_ids)
 

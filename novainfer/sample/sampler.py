@@ -178,6 +178,19 @@ def exponential_draws(probs: torch.Tensor, token_ids: torch.Tensor, metadata: Sa
     return torch.where(metadata.is_seeded.unsqueeze(1), seeded, noise)
 
 
+def largest_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of each row of ``logits`` [B, V] (any float dtype), descending, as
+    float32 values and int64 ids. On CUDA, for k up to novainfer.sample.topk.MAX_K, one Triton top-k
+    that puts the lowest ids first among equal values; elsewhere torch.topk, which names any of them."""
+    if logits.is_cuda:
+        from novainfer.sample.topk import MAX_K, top_k
+
+        if k <= MAX_K:
+            return top_k(logits, k)
+    values, ids = logits.topk(k, dim=-1)
+    return values.to(torch.float32), ids
+
+
 def random_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Draw one index per row from (unnormalized) probs, given Exp(1) noise of the same shape.
 
@@ -199,8 +212,7 @@ def gather_logprobs(
     sampled = sampled.unsqueeze(1)
     sampled_logits = logits.gather(-1, sampled).to(torch.float32)
     # At least the top entry, which tells which rows' ranks need counting (see sampled_token_ranks).
-    top_logits, top_ids = logits.topk(min(max(num_logprobs, 1), logits.shape[-1]), dim=-1)
-    top_logits = top_logits.to(torch.float32)
+    top_logits, top_ids = largest_logits(logits, min(max(num_logprobs, 1), logits.shape[-1]))
     return LogprobsTensors(
         token_ids=torch.cat([sampled, top_ids[:, :num_logprobs]], dim=1),
         logprobs=torch.cat([sampled_logits, top_logits[:, :num_logprobs]], dim=1) - lse.unsqueeze(1),
@@ -273,8 +285,7 @@ class Sampler(nn.Module):
             # Every random row keeps at most max_top_k tokens: sample among those candidates
             # (sorted, as top-p needs) rather than sorting the whole vocabulary. A temperature
             # keeps a row's order, so it only needs to scale the candidates.
-            logits, token_ids = logits.topk(min(metadata.max_top_k, logits.shape[-1]), dim=-1)
-            logits = logits.to(torch.float32)
+            logits, token_ids = largest_logits(logits, min(metadata.max_top_k, logits.shape[-1]))
             top_p = None if metadata.no_top_p else metadata.top_p
             probs = _min_p_probs(mask_sorted_top_k_top_p(logits / metadata.temperature.unsqueeze(1), metadata.top_k,
                                                          top_p), metadata)
