@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
-from novainfer.sample.topk import MAX_K, top_k  # noqa: E402
+from novainfer.sample.topk import MAX_K, top_k, top_k_logprobs  # noqa: E402
 from novainfer.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
 
@@ -77,6 +77,29 @@ def test_k_out_of_range_raises(k):
         top_k(torch.zeros(2, VOCAB, device=DEVICE), k)
 
 
+@pytest.mark.parametrize("num_logprobs", [0, 5])
+@pytest.mark.parametrize("lse_given", [False, True], ids=["lse_computed", "lse_given"])
+def test_logprobs_mode_gives_the_sampled_and_top_logprobs_and_ranks(num_logprobs, lse_given):
+    """Oracles: the first n of a stable descending sort, ``torch.logsumexp`` of the logits (within
+    1e-5: float32 sums in another order), ranks counted with ``>`` over the whole row."""
+    logits = rows(torch.float16, 4)
+    exact = logits.float()
+    top_ids = exact.sort(dim=-1, descending=True, stable=True).indices
+    # A top token, a tied one (row 3), one outside the top, the last id, -inf.
+    sampled = torch.stack([top_ids[0, 0], top_ids[1, 9], top_ids[2, 2], top_ids[3, 300], top_ids[4, VOCAB - 1],
+                           torch.tensor(VOCAB - 1)])
+    lse = torch.logsumexp(exact, dim=-1)
+    ids, logprobs, ranks = top_k_logprobs(logits.to(DEVICE), sampled.to(DEVICE), num_logprobs,
+                                          lse.to(DEVICE) if lse_given else None, block=BLOCK)
+    want_ids = torch.cat([sampled.unsqueeze(1), top_ids[:, :num_logprobs]], dim=1)
+    assert ids.dtype == ranks.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(logprobs.cpu(), exact.gather(1, want_ids) - lse.unsqueeze(1), rtol=0, atol=1e-5)
+    want_ranks = (exact > exact.gather(1, sampled.unsqueeze(1))).sum(dim=-1) + 1
+    assert ranks.cpu().tolist() == want_ranks.tolist()
+    assert ranks[1].item() == 1 and ranks[3].item() > 2
+
+
 # ---------------------------------------------------------------- the sampler's CUDA path (GPU)
 
 
@@ -87,8 +110,8 @@ def test_cuda_top_k_sampler_gives_the_cpu_samplers_seeded_tokens_and_logprobs(pe
     same token wherever they have the same candidates; the logits are distinct (no tie at the k-th
     place), so they do."""
     generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(64, VOCAB, generator=generator).mul(4).to(torch.bfloat16)
-    distinct = logits.float().sort(dim=-1, descending=True).values[:, :MAX_K + 1]
+    logits = torch.randn(64, VOCAB, generator=generator).mul(4)
+    distinct = logits.sort(dim=-1, descending=True).values[:, :MAX_K + 1]
     assert bool((distinct[:, :-1] != distinct[:, 1:]).all())
     ks = [1, 5, 20, 50, 64, 100, MAX_K]
     params = [SamplingParams(temperature=0.9, top_k=ks[i % len(ks)], top_p=(0.8, 1.0)[i % 2], seed=i,
