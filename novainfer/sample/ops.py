@@ -29,23 +29,26 @@ from novainfer.sample.metadata import SamplingMetadata
 from novainfer.sampling_params import SamplingParams
 
 # The hash's constants (see novainfer.sample.rng), as compile-time constants of the kernels.
-_MASK32 = tl.constexpr(rng.MASK32)
 _MUL = tl.constexpr(rng.HASH_MUL)
 _GOLDEN = tl.constexpr(rng.GOLDEN)
 
 
 @triton.jit
 def _mix32(x):
-    x = ((x >> 16) ^ x) * _MUL & _MASK32
-    x = ((x >> 16) ^ x) * _MUL & _MASK32
-    x = ((x >> 16) ^ x) * _MUL & _MASK32
+    """rng._mix32 on uint32 ``x``: a uint32 product wraps modulo 2**32, which is the torch
+    version's ``& MASK32`` of its int64 product, in one 32-bit multiply instead of a 64-bit one."""
+    x = ((x >> 16) ^ x) * _MUL.value
+    x = ((x >> 16) ^ x) * _MUL.value
+    x = ((x >> 16) ^ x) * _MUL.value
     return (x >> 16) ^ x
 
 
 @triton.jit
 def _exponential(key, ids):
-    """Exp(1) noise of token ``ids`` (int64) for a row's ``key``: rng.exponential_noise_torch."""
-    bits = _mix32((key + ids * _GOLDEN) & _MASK32)
+    """Exp(1) noise of token ``ids`` (int64) for a row's ``key``: rng.exponential_noise_torch, in
+    uint32 arithmetic (the low 32 bits of the torch version's int64 sums and products)."""
+    golden = tl.full([], _GOLDEN, tl.uint32)
+    bits = _mix32(key.to(tl.uint32) + ids.to(tl.uint32) * golden)
     uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # rng.uniform_from_bits
     return -tl.log(uniform)
 
