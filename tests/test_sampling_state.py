@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from novainfer.sample import LogprobsTensors, Sampler, SamplingStateTable
+from novainfer.sample.state import copy_to_device
 from novainfer.sample.rng import row_keys, seed_lanes
 from novainfer.sample.sampler import apply_min_tokens, apply_penalties
 from novainfer.sampling_params import SamplingParams
@@ -149,6 +150,18 @@ def test_step_noise_keys_are_the_torch_hash_of_each_rows_seed_and_position():
     assert seeded == [params[row].seed is not None for row in rows]
     assert metadata.noise_keys.dtype == torch.int64
     assert metadata.noise_keys[metadata.is_seeded].tolist() == expected[metadata.is_seeded].tolist()
+
+
+def test_packed_copies_keep_each_array_and_align_it_to_16_bytes():
+    """Triton kernels specialize on 16-byte pointer alignment: a view at an offset that depends on
+    the batch size must not change it (a step's flags and keys are passed to the sampler's kernels)."""
+    for batch in (1, 3, 5, 8):
+        arrays = [np.arange(batch, dtype=np.int64), np.arange(batch) % 2 == 0, np.full(batch, 7, dtype=np.int64),
+                  np.arange(batch * 3, dtype=np.float32).reshape(batch, 3)]
+        views = copy_to_device(arrays, torch.device("cpu"))
+        for array, view in zip(arrays, views):
+            assert view.data_ptr() % 16 == 0
+            assert np.array_equal(view.numpy(), array) and view.numpy().dtype == array.dtype
 
 
 def test_rows_beyond_the_table_grow_it_and_bad_sizes_raise():

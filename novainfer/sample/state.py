@@ -37,7 +37,10 @@ from novainfer.sampling_params import SamplingParams
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
 _TOP_K, _MIN_TOKENS = range(2)
 _NUM_FLOAT, _NUM_INT = 6, 2
-_ALIGN = 8
+# Each array of a packed copy starts at a multiple of 16 bytes: Triton specializes a kernel on
+# whether its pointers are 16-byte aligned, so views at offsets that vary with the batch size would
+# compile new variants mid-run (the step's greedy flags and noise keys go to the sampler's kernels).
+_ALIGN = 16
 
 
 def copy_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
