@@ -28,7 +28,7 @@ from novainfer.sample.sampler import (_min_p_probs, apply_penalties_and_min_toke
                                       random_sample, sampling_probs)
 from novainfer.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
-from tests.test_sampler import NUM_DRAWS, PROBS, TEMPERED, TOLERANCE  # noqa: E402
+from tests.test_sampler import NUM_DRAWS, PROBS, TEMPERED, TOLERANCE, renormalized  # noqa: E402
 
 pytestmark = MARKS
 
@@ -181,9 +181,14 @@ def test_cuda_sampler_gives_the_cpu_samplers_seeded_and_greedy_tokens_and_logpro
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params, expected", [(SamplingParams(temperature=1.0), PROBS),
-                                              (SamplingParams(temperature=0.5), TEMPERED)],
-                         ids=["temperature1", "temperature0.5"])
+@pytest.mark.parametrize("params, expected", [
+    (SamplingParams(temperature=1.0), PROBS),
+    (SamplingParams(temperature=0.5), TEMPERED),
+    (SamplingParams(top_k=2), renormalized([1, 1, 0, 0, 0])),  # the top-k candidates' draw
+    (SamplingParams(top_p=0.8), renormalized([1, 1, 1, 0, 0])),  # the top-p floors
+    (SamplingParams(temperature=0.5, top_p=0.85), renormalized([1, 1, 0, 0, 0], TEMPERED)),
+    (SamplingParams(top_k=4, top_p=0.8), renormalized([1, 1, 1, 0, 0])),
+], ids=["temperature1", "temperature0.5", "top_k2", "top_p0.8", "temp_then_top_p", "top_k4_top_p0.8"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["step_keys", "seeded"])
 def test_cuda_draws_follow_the_distribution(params, expected, seeded):
     torch.manual_seed(6)
@@ -193,3 +198,4 @@ def test_cuda_draws_follow_the_distribution(params, expected, seeded):
     tokens = Sampler()(logits, metadata).sampled_token_ids.cpu()
     freq = torch.bincount(tokens, minlength=len(PROBS)).float() / NUM_DRAWS
     assert (freq - expected).abs().max().item() < TOLERANCE, (freq, expected)
+    assert torch.all(freq[expected == 0] == 0), "a token outside the allowed set was sampled"
