@@ -1,13 +1,15 @@
 """Triton kernels of the sampler (CUDA): the counter-based noise of :mod:`novainfer.sample.rng`,
-and the whole-vocabulary draw fused into one pass over the logits.
+the whole-vocabulary draw fused into one pass over the logits, and the draw among top-k candidates.
 
-The noise kernel does the same int64 arithmetic as the torch version (the same bits; only ``log``
-may differ in the last place). The torch version runs about twenty elementwise passes over a
-[rows, vocabulary] int64 tensor; the kernels compute each value in registers.
+The noise kernel does the same hash as the torch version (the same bits, in uint32 arithmetic;
+only ``log`` may differ in the last place). The torch version runs about twenty elementwise passes
+over a [rows, vocabulary] int64 tensor; the kernels compute each value in registers.
 
 The fused draw (:func:`draw_whole_vocabulary`) serves steps whose random rows sample from the whole
-vocabulary (no top-k, top-p or min-p): each program reads one chunk of one row of the logits once,
-applies the step's min_tokens mask and penalties (the same float operations, in the same order, as
+vocabulary (no top-k, top-p or min-p), and with a per-row floor (:func:`top_p_floors`, a search in
+value space rather than a sort) steps whose random rows have a top-p but no top-k or min-p: each
+program reads one chunk of one row of the logits once, applies the step's min_tokens mask and
+penalties (the same float operations, in the same order, as
 :func:`novainfer.sample.sampler.apply_penalties`), adds the noise and reduces the chunk to its best
 token; with logprobs it also reduces the raw logits to the chunk's (max, sum of exp). The torch
 path instead runs about ten float32 passes (softmax, noise, division, argmax, each penalty).
@@ -120,7 +122,7 @@ def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
         # Top-p (see top_p_floors): the tokens above the row's floor, and of those at it the first
         # tie_keep by id.
         floor = tl.load(floor_ptr + row)
-        keys = _ordered_key(x)
+        keys = topk.ordered_key(x)
         tie = keys == floor
         tie_rank = tl.load(tie_offset_ptr + out) + tl.cumsum(tie.to(tl.int32), axis=0) - 1
         x = tl.where((keys > floor) | (tie & (tie_rank < tl.load(tie_keep_ptr + row))), x, float("-inf"))
@@ -134,19 +136,6 @@ def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
     best_score, best = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(best_score_ptr + out, best_score)
     tl.store(best_token_ptr + out, chunk.to(tl.int64) * BLOCK + best)
-
-
-@triton.jit
-def _ordered_key(x):
-    """int32 keys of float32 ``x`` that order as the values (topk._keys' high half)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _unordered(key):
-    """The float32 value of an :func:`_ordered_key` key."""
-    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 _INT32_MIN = tl.constexpr(-(2**31))
@@ -172,7 +161,7 @@ def _top_p_floor_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, tempe
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
             row_max = tl.maximum(row_max, tl.max(x, axis=0))
-            key_min = tl.minimum(key_min, tl.min(tl.where(x > float("-inf"), _ordered_key(x), _INT32_MAX), axis=0))
+            key_min = tl.minimum(key_min, tl.min(tl.where(x > float("-inf"), topk.ordered_key(x), _INT32_MAX), axis=0))
         total = 0.0
         for start in range(0, vocab_size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -184,7 +173,7 @@ def _top_p_floor_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, tempe
         # the logits' dtype leaves zero), STEPS thresholds a pass; lo always reaches the target,
         # keys above hi never do, and `above` is the weight above hi.
         lo = (key_min >> SHIFT).to(tl.int64)
-        hi = (_ordered_key(row_max) >> SHIFT).to(tl.int64)
+        hi = (topk.ordered_key(row_max) >> SHIFT).to(tl.int64)
         above = 0.0
         steps = tl.arange(0, STEPS)
         while lo < hi:
@@ -196,7 +185,7 @@ def _top_p_floor_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, tempe
                 cols = start + tl.arange(0, BLOCK)
                 x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
                 w = tl.where(x > float("-inf"), tl.exp((x - row_max) * inv_temperature), 0.0)
-                at_or_above = (_ordered_key(x) >> SHIFT)[:, None] >= compared[None, :]
+                at_or_above = (topk.ordered_key(x) >> SHIFT)[:, None] >= compared[None, :]
                 weights += tl.sum(tl.where(at_or_above, w[:, None], 0.0), axis=0)
             # Weights fall as thresholds rise, so the passing ones are a prefix.
             passing = tl.sum(((thresholds <= hi) & (weights >= target)).to(tl.int64), axis=0)
@@ -208,7 +197,7 @@ def _top_p_floor_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, tempe
         floor = (lo << SHIFT).to(tl.int32)
         # Of the tokens at the floor, a sort keeps them by id while the weight before each is
         # below the target: the first ceil((target - above) / weight of one) of them.
-        one = tl.exp((_unordered(floor) - row_max) * inv_temperature)
+        one = tl.exp((topk.ordered_value(floor) - row_max) * inv_temperature)
         tl.store(floor_ptr + row, floor)
         tl.store(tie_keep_ptr + row, tl.maximum(tl.math.ceil((target - above) / one), 1.0).to(tl.int32))
         # Each draw chunk's count of earlier tokens at the floor.
@@ -217,7 +206,7 @@ def _top_p_floor_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, tempe
             cols = chunk * DRAW_BLOCK + tl.arange(0, DRAW_BLOCK)
             x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
             tl.store(tie_offset_ptr + row * num_chunks + chunk, running)
-            running += tl.sum((_ordered_key(x) == floor).to(tl.int32), axis=0)
+            running += tl.sum((topk.ordered_key(x) == floor).to(tl.int32), axis=0)
 
 
 @dataclass

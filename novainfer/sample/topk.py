@@ -42,20 +42,29 @@ _NONE = tl.constexpr(-(2**63))
 
 
 @triton.jit
+def ordered_key(x):
+    """int32 keys of float32 ``x`` that order as the values: negative floats order backwards as
+    integers, and flipping their magnitude bits fixes that."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & _LOW31)
+
+
+@triton.jit
+def ordered_value(key):
+    """The float32 value of an :func:`ordered_key` key (the mapping is its own inverse)."""
+    return (key ^ ((key >> 31) & _LOW31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _keys(values, ids):
     """int64 keys of float ``values`` (any float dtype) at token ``ids`` (int64, < 2**32)."""
-    bits = values.to(tl.float32).to(tl.int32, bitcast=True)
-    # Negative floats order backwards as integers: flipping their magnitude bits fixes that.
-    ordered = bits ^ ((bits >> 31) & _LOW31)
-    return (ordered.to(tl.int64) << 32) | (_MASK32 - ids)
+    return (ordered_key(values.to(tl.float32)).to(tl.int64) << 32) | (_MASK32 - ids)
 
 
 @triton.jit
 def _unkey(keys):
     """(float32 values, int64 ids) of :func:`_keys`' keys."""
-    ordered = (keys >> 32).to(tl.int32)
-    values = (ordered ^ ((ordered >> 31) & _LOW31)).to(tl.float32, bitcast=True)
-    return values, _MASK32 - (keys & _MASK32)
+    return ordered_value((keys >> 32).to(tl.int32)), _MASK32 - (keys & _MASK32)
 
 
 @triton.jit
@@ -71,7 +80,8 @@ def combined_lse(chunk_max_ptr, chunk_sum_ptr, row, num_chunks, CHUNKS: tl.const
 
 @triton.jit(do_not_specialize=["stride_logits", "vocab_size", "num_chunks", "use_sampled", "use_lse"])
 def _top_k_chunks_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, scratch_ptr, out_ptr,
-                         use_sampled, sampled_ptr, sampled_logit_ptr, greater_ptr, use_lse, chunk_max_ptr, chunk_sum_ptr,
+                         use_sampled, sampled_ptr, sampled_logit_ptr, greater_ptr, use_lse, chunk_max_ptr,
+                         chunk_sum_ptr,
                          BLOCK: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -217,4 +227,5 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tenso
         chunk_keys, num_chunks * width, k if stored is None else stored, values, ids, values.stride(0),
         use_sampled, num_chunks, int64s[0], float32s[0], greater, int64s[1],
         int(lse is not None), float32s[1], float32s[2], float32s[3],
-        WIDTH=triton.next_power_of_2(num_chunks * width), K=width, CHUNKS=triton.next_power_of_2(num_chunks), num_warps=8)
+        WIDTH=triton.next_power_of_2(num_chunks * width), K=width, CHUNKS=triton.next_power_of_2(num_chunks),
+        num_warps=8)

@@ -24,8 +24,8 @@ pytest.importorskip("triton")
 from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
 from novainfer.sample.ops import draw_candidates, draw_whole_vocabulary  # noqa: E402
 from novainfer.sample.rng import exponential_noise_torch  # noqa: E402
-from novainfer.sample.sampler import (_min_p_probs, apply_penalties_and_min_tokens, mask_sorted_top_k_top_p,  # noqa: E402
-                                      random_sample, sampling_probs)
+from novainfer.sample.sampler import (  # noqa: E402
+    _min_p_probs, apply_penalties_and_min_tokens, mask_sorted_top_k_top_p, random_sample, sampling_probs)
 from novainfer.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
 from tests.test_sampler import NUM_DRAWS, PROBS, TEMPERED, TOLERANCE, renormalized  # noqa: E402

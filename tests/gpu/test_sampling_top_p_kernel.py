@@ -18,7 +18,8 @@ pytest.importorskip("triton")
 from novainfer.sample import SamplingMetadata  # noqa: E402
 from novainfer.sample.ops import draw_top_p, top_p_floors  # noqa: E402
 from novainfer.sample.rng import exponential_noise_torch  # noqa: E402
-from novainfer.sample.sampler import apply_penalties_and_min_tokens, apply_top_k_top_p, random_sample, sampling_probs  # noqa: E402
+from novainfer.sample.sampler import (  # noqa: E402
+    apply_penalties_and_min_tokens, apply_top_k_top_p, random_sample, sampling_probs)
 from novainfer.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
 
