@@ -154,19 +154,22 @@ def _top_p_floor_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, tempe
         tl.store(tie_keep_ptr + row, 0)
     else:
         inv_temperature = 1.0 / tl.load(temperature_ptr + row * stride_temperature)
-        # The row's largest logit and smallest finite key (search bounds), then the total weight.
+        # The row's largest logit and smallest finite key (the search's bounds), and its total
+        # weight, in one pass: the sum so far is rescaled whenever the maximum rises.
         row_max = float("-inf")
         key_min = _INT32_MAX
-        for start in range(0, vocab_size, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-            row_max = tl.maximum(row_max, tl.max(x, axis=0))
-            key_min = tl.minimum(key_min, tl.min(tl.where(x > float("-inf"), topk.ordered_key(x), _INT32_MAX), axis=0))
         total = 0.0
         for start in range(0, vocab_size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-            total += tl.sum(tl.where(x > float("-inf"), tl.exp((x - row_max) * inv_temperature), 0.0), axis=0)
+            new_max = tl.maximum(row_max, tl.max(x, axis=0))
+            scale = tl.where(row_max > float("-inf"), tl.exp((row_max - new_max) * inv_temperature), 0.0)
+            total = total * scale + tl.sum(tl.where(x > float("-inf"), tl.exp((x - new_max) * inv_temperature), 0.0),
+                                           axis=0)
+            row_max = new_max
+            key_min = tl.minimum(key_min, tl.min(tl.where(x > float("-inf"), topk.ordered_key(x), _INT32_MAX), axis=0))
+        # A target a sum in the search's order misses by rounding (top_p within rounding of 1)
+        # leaves the floor at the smallest key: every token kept.
         target = top_p * total
         # The floor is the largest key whose weight at or above it reaches top_p of the total: the
         # value of the last token a descending sort keeps. Search the keys (shifted past the bits
@@ -226,7 +229,7 @@ _ZERO_BITS = {torch.bfloat16: 16, torch.float16: 13}
 
 
 def top_p_floors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor,
-                 draw_block: int = 4096) -> TopPFloors:
+                 draw_block: int = 4096, block: int = 1024) -> TopPFloors:
     """Each random row's top-p set of softmax(``logits`` / ``temperature``) without a sort: the
     tokens a stable descending sort keeps (the smallest prefix whose probability reaches top_p,
     equal values by lowest id) are those above a floor value, and the first few of those at it.
@@ -234,7 +237,8 @@ def top_p_floors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     pass over the row (a bfloat16 row takes four passes, a float32 one eight), weighing each token
     by exp((logit - max) / temperature). Greedy rows and rows at top_p 1 keep every token. The
     probabilities are float32 sums in another order than the sort's cumulative sum, so a token
-    whose preceding probability is within rounding of top_p may fall on the other side."""
+    whose preceding probability is within rounding of top_p may fall on the other side. ``block``:
+    the tile a pass reads at a time; ``draw_block``: the chunk of the draw the ties are counted by."""
     batch_size, vocab_size = logits.shape
     device = logits.device
     num_chunks = triton.cdiv(vocab_size, draw_block)
@@ -243,7 +247,7 @@ def top_p_floors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
                         torch.empty(batch_size, num_chunks, dtype=torch.int32, device=device))
     _top_p_floor_kernel[(batch_size,)](
         logits, logits.stride(0), vocab_size, num_chunks, temperature, temperature.stride(0), top_p, top_p.stride(0),
-        greedy, *floors, BLOCK=min(1024, triton.next_power_of_2(vocab_size)), DRAW_BLOCK=draw_block,
+        greedy, *floors, BLOCK=min(block, triton.next_power_of_2(vocab_size)), DRAW_BLOCK=draw_block,
         SHIFT=_ZERO_BITS.get(logits.dtype, 0), STEPS=16, num_warps=8)
     return floors
 
