@@ -6,10 +6,8 @@ only ``log`` may differ in the last place). The torch version runs about twenty 
 over a [rows, vocabulary] int64 tensor; the kernels compute each value in registers.
 
 The fused draw (:func:`draw_whole_vocabulary`) serves steps whose random rows sample from the whole
-vocabulary (no top-k, top-p or min-p), and with a per-row floor (:func:`top_p_floors`, a search in
-value space rather than a sort) steps whose random rows have a top-p but no top-k or min-p: each
-program reads one chunk of one row of the logits once, applies the step's min_tokens mask and
-penalties (the same float operations, in the same order, as
+vocabulary (no top-k, top-p or min-p): each program reads one chunk of one row of the logits once,
+applies the step's min_tokens mask and penalties (the same float operations, in the same order, as
 :func:`novainfer.sample.sampler.apply_penalties`), adds the noise and reduces the chunk to its best
 token; with logprobs it also reduces the raw logits to the chunk's (max, sum of exp). The torch
 path instead runs about ten float32 passes (softmax, noise, division, argmax, each penalty).
@@ -20,8 +18,6 @@ top-p and min-p, in one launch where the torch stages take about twenty small on
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -84,12 +80,12 @@ def exponential_noise_triton(keys: torch.Tensor, token_ids: torch.Tensor) -> tor
 # all four (warm_up) and no request's first penalty pays for a compile.
 @triton.jit(do_not_specialize=["stride_temperature", "use_stop", "stride_stop", "use_repetition", "stride_repetition",
                                "stride_seen", "use_frequency", "stride_frequency", "use_presence", "stride_presence",
-                               "stride_counts", "use_floor"])
+                               "stride_counts"])
 def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
                  temperature_ptr, stride_temperature, greedy_ptr, keys_ptr,
                  use_stop, stop_ptr, stride_stop, use_repetition, repetition_ptr, stride_repetition, seen_ptr,
                  stride_seen, use_frequency, frequency_ptr, stride_frequency, use_presence, presence_ptr,
-                 stride_presence, counts_ptr, stride_counts, use_floor, floor_ptr, tie_keep_ptr, tie_offset_ptr,
+                 stride_presence, counts_ptr, stride_counts,
                  best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_sum_ptr,
                  BLOCK: tl.constexpr, NOISE: tl.constexpr, LSE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -118,14 +114,6 @@ def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
             x = x - tl.load(frequency_ptr + row * stride_frequency) * counts.to(tl.float32)
         if use_presence != 0:
             x = x - tl.load(presence_ptr + row * stride_presence) * (counts > 0).to(tl.float32)
-    if use_floor != 0:
-        # Top-p (see top_p_floors): the tokens above the row's floor, and of those at it the first
-        # tie_keep by id.
-        floor = tl.load(floor_ptr + row)
-        keys = topk.ordered_key(x)
-        tie = keys == floor
-        tie_rank = tl.load(tie_offset_ptr + out) + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-        x = tl.where((keys > floor) | (tie & (tie_rank < tl.load(tie_keep_ptr + row))), x, float("-inf"))
     if NOISE:
         if tl.load(greedy_ptr + row) == 0:
             # Gumbel-max in log space: argmax(x / T - log q) = argmax(softmax(x / T) / q), the
@@ -136,120 +124,6 @@ def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
     best_score, best = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(best_score_ptr + out, best_score)
     tl.store(best_token_ptr + out, chunk.to(tl.int64) * BLOCK + best)
-
-
-_INT32_MIN = tl.constexpr(-(2**31))
-_INT32_MAX = tl.constexpr(2**31 - 1)
-
-
-@triton.jit(do_not_specialize=["stride_logits", "vocab_size", "num_chunks", "stride_temperature", "stride_top_p"])
-def _top_p_floor_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, temperature_ptr, stride_temperature,
-                        top_p_ptr, stride_top_p, greedy_ptr, floor_ptr, tie_keep_ptr, tie_offset_ptr,
-                        BLOCK: tl.constexpr, DRAW_BLOCK: tl.constexpr, SHIFT: tl.constexpr, STEPS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_logits
-    top_p = tl.load(top_p_ptr + row * stride_top_p)
-    if (tl.load(greedy_ptr + row) != 0) | (top_p >= 1.0):
-        tl.store(floor_ptr + row, _INT32_MIN)  # every token (no key is below it)
-        tl.store(tie_keep_ptr + row, 0)
-    else:
-        inv_temperature = 1.0 / tl.load(temperature_ptr + row * stride_temperature)
-        # The row's largest logit and smallest finite key (the search's bounds), and its total
-        # weight, in one pass: the sum so far is rescaled whenever the maximum rises.
-        row_max = float("-inf")
-        key_min = _INT32_MAX
-        total = 0.0
-        for start in range(0, vocab_size, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(row_max, tl.max(x, axis=0))
-            scale = tl.where(row_max > float("-inf"), tl.exp((row_max - new_max) * inv_temperature), 0.0)
-            total = total * scale + tl.sum(tl.where(x > float("-inf"), tl.exp((x - new_max) * inv_temperature), 0.0),
-                                           axis=0)
-            row_max = new_max
-            key_min = tl.minimum(key_min, tl.min(tl.where(x > float("-inf"), topk.ordered_key(x), _INT32_MAX), axis=0))
-        # A target a sum in the search's order misses by rounding (top_p within rounding of 1)
-        # leaves the floor at the smallest key: every token kept.
-        target = top_p * total
-        # The floor is the largest key whose weight at or above it reaches top_p of the total: the
-        # value of the last token a descending sort keeps. Search the keys (shifted past the bits
-        # the logits' dtype leaves zero), STEPS thresholds a pass; lo always reaches the target,
-        # keys above hi never do, and `above` is the weight above hi.
-        lo = (key_min >> SHIFT).to(tl.int64)
-        hi = (topk.ordered_key(row_max) >> SHIFT).to(tl.int64)
-        above = 0.0
-        steps = tl.arange(0, STEPS)
-        while lo < hi:
-            stride = (hi - lo) // (STEPS + 1) + 1
-            thresholds = lo + stride * (steps + 1)
-            compared = tl.minimum(thresholds, hi).to(tl.int32)
-            weights = tl.zeros([STEPS], dtype=tl.float32)
-            for start in range(0, vocab_size, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-                w = tl.where(x > float("-inf"), tl.exp((x - row_max) * inv_temperature), 0.0)
-                at_or_above = (topk.ordered_key(x) >> SHIFT)[:, None] >= compared[None, :]
-                weights += tl.sum(tl.where(at_or_above, w[:, None], 0.0), axis=0)
-            # Weights fall as thresholds rise, so the passing ones are a prefix.
-            passing = tl.sum(((thresholds <= hi) & (weights >= target)).to(tl.int64), axis=0)
-            failing = lo + stride * (passing + 1)
-            if failing <= hi:
-                above = tl.sum(tl.where(steps == passing, weights, 0.0), axis=0)
-                hi = failing - 1
-            lo = lo + stride * passing
-        floor = (lo << SHIFT).to(tl.int32)
-        # Of the tokens at the floor, a sort keeps them by id while the weight before each is
-        # below the target: the first ceil((target - above) / weight of one) of them.
-        one = tl.exp((topk.ordered_value(floor) - row_max) * inv_temperature)
-        tl.store(floor_ptr + row, floor)
-        tl.store(tie_keep_ptr + row, tl.maximum(tl.math.ceil((target - above) / one), 1.0).to(tl.int32))
-        # Each draw chunk's count of earlier tokens at the floor.
-        running = 0
-        for chunk in range(0, num_chunks):
-            cols = chunk * DRAW_BLOCK + tl.arange(0, DRAW_BLOCK)
-            x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-            tl.store(tie_offset_ptr + row * num_chunks + chunk, running)
-            running += tl.sum((topk.ordered_key(x) == floor).to(tl.int32), axis=0)
-
-
-@dataclass
-class TopPFloors:
-    """Each row's top-p set as :func:`top_p_floors` gives it (int32 tensors)."""
-
-    floor: torch.Tensor  # [B] ordered float32 key of the smallest value kept
-    tie_keep: torch.Tensor  # [B] how many tokens at the floor are kept, lowest ids first
-    tie_offset: torch.Tensor  # [B, chunks] tokens at the floor in the chunks before each draw chunk
-
-    def __iter__(self):
-        return iter((self.floor, self.tie_keep, self.tie_offset))
-
-
-# Bits of a float32's ordered key that a logits dtype leaves zero (its mantissa is shorter).
-_ZERO_BITS = {torch.bfloat16: 16, torch.float16: 13}
-
-
-def top_p_floors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor,
-                 draw_block: int = 4096, block: int = 1024) -> TopPFloors:
-    """Each random row's top-p set of softmax(``logits`` / ``temperature``) without a sort: the
-    tokens a stable descending sort keeps (the smallest prefix whose probability reaches top_p,
-    equal values by lowest id) are those above a floor value, and the first few of those at it.
-    One program per row finds the floor by searching the values' ordered keys, 16 thresholds per
-    pass over the row (a bfloat16 row takes four passes, a float32 one eight), weighing each token
-    by exp((logit - max) / temperature). Greedy rows and rows at top_p 1 keep every token. The
-    probabilities are float32 sums in another order than the sort's cumulative sum, so a token
-    whose preceding probability is within rounding of top_p may fall on the other side. ``block``:
-    the tile a pass reads at a time; ``draw_block``: the chunk of the draw the ties are counted by."""
-    batch_size, vocab_size = logits.shape
-    device = logits.device
-    num_chunks = triton.cdiv(vocab_size, draw_block)
-    floors = TopPFloors(torch.empty(batch_size, dtype=torch.int32, device=device),
-                        torch.empty(batch_size, dtype=torch.int32, device=device),
-                        torch.empty(batch_size, num_chunks, dtype=torch.int32, device=device))
-    _top_p_floor_kernel[(batch_size,)](
-        logits, logits.stride(0), vocab_size, num_chunks, temperature, temperature.stride(0), top_p, top_p.stride(0),
-        greedy, *floors, BLOCK=min(block, triton.next_power_of_2(vocab_size)), DRAW_BLOCK=draw_block,
-        SHIFT=_ZERO_BITS.get(logits.dtype, 0), STEPS=16, num_warps=8)
-    return floors
 
 
 def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor | None,
@@ -269,23 +143,12 @@ def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys
                  metadata.presence_penalties, with_lse, block)
 
 
-def draw_top_p(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor,
-               block: int = 4096) -> torch.Tensor:
-    """As :func:`draw_whole_vocabulary` for a step whose random rows may have a top-p (and no top-k
-    or min-p), on logits the step's min_tokens mask and penalties were applied to: each such row
-    draws from its top-p set (:func:`top_p_floors`), without sorting the vocabulary."""
-    greedy = metadata.is_greedy.contiguous().view(torch.uint8)
-    floors = top_p_floors(logits, metadata.temperature, metadata.top_p, greedy, block)
-    return _draw(logits, metadata.temperature, greedy, keys, None, None, metadata.repetition_penalties, None, None,
-                 None, False, block, floors)[0]
-
-
 def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, keys: torch.Tensor | None,
           stop: torch.Tensor | None, seen: torch.Tensor | None, repetition: torch.Tensor,
           counts: torch.Tensor | None, frequency: torch.Tensor | None, presence: torch.Tensor | None,
-          with_lse: bool, block: int, floors: TopPFloors | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+          with_lse: bool, block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`draw_whole_vocabulary` on plain tensors (uint8 masks, int32 counts, float32 per-row
-    values; None for a stage the step skips), each row cut to its ``floors`` where given."""
+    values; None for a stage the step skips)."""
     batch_size, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, block)
     device = logits.device
@@ -300,7 +163,6 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     counts_table = stand_in(counts, torch.int32, device)
     frequency_values = stand_in(frequency, torch.float32, device)
     presence_values = stand_in(presence, torch.float32, device)
-    floor, tie_keep, tie_offset = (stand_in(None, torch.int32, device),) * 3 if floors is None else floors
     _draw_kernel[(batch_size, num_chunks)](
         logits, logits.stride(0), vocab_size, num_chunks, temperature, temperature.stride(0), greedy,
         stand_in(keys, torch.int64, device),
@@ -308,7 +170,6 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
         int(seen is not None), repetition, repetition.stride(0), seen_table, seen_table.stride(0),
         int(frequency is not None), frequency_values, frequency_values.stride(0),
         int(presence is not None), presence_values, presence_values.stride(0), counts_table, counts_table.stride(0),
-        int(floors is not None), floor, tie_keep, tie_offset,
         best_score, best_token, chunk_max, chunk_sum,
         BLOCK=block, NOISE=keys is not None, LSE=with_lse,
         # No fused multiply-adds, so that penalized logits round as torch's separate operations do.
@@ -379,8 +240,8 @@ def draw_candidates(values: torch.Tensor, ids: torch.Tensor, metadata: SamplingM
 
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compiles every variant of the sampler's kernels for logits [B, ``vocab_size``] of ``dtype``: the
-    draw with and without noise and log-sum-exp, the top-p floors, the top-k of each width with the
-    candidate draw, and the noise of chosen tokens."""
+    draw with and without noise and log-sum-exp, the rank count, the top-k of each width and the
+    noise of chosen tokens."""
     logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
     one = torch.ones(1, dtype=torch.float32, device=device)
     keys = torch.zeros(1, dtype=torch.int64, device=device)
@@ -388,12 +249,6 @@ def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     for noise in (None, keys):
         for with_lse in (False, True):
             _draw(logits, one, greedy, noise, None, None, one, None, None, None, with_lse, 4096)
-    # Top-p: the floors and the draw, of the raw logits or of float32 ones where penalties or
-    # min_tokens apply.
-    top_p_metadata = SamplingMetadata.from_requests([SamplingParams(temperature=1.0, top_p=0.5)], [[]], [[]], device,
-                                                    vocab_size)
-    for top_p_dtype in {dtype, torch.float32}:
-        draw_top_p(logits.to(top_p_dtype), top_p_metadata, keys)
     # Top-k candidates read the raw logits, or float32 ones where penalties or min_tokens apply;
     # every width a k <= V can take.
     for width in {min(width, vocab_size) for width in topk.WIDTHS}:

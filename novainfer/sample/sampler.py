@@ -6,11 +6,10 @@ caller's logits. These torch stages are the reference (and the CPU path). On
 CUDA, Triton kernels (novainfer.sample.ops, novainfer.sample.topk) replace them
 with the same noise for seeded rows, and so the same tokens: a step whose random
 rows draw from the whole vocabulary (no top-k, top-p or min-p) runs in one fused
-pass; one whose random rows have a top-p but no top-k or min-p takes the same pass
-after a search for each row's top-p floor (no sort); one whose random rows all have
-a top-k (up to 128) draws from each row's candidates of a Triton top-k; logprobs
-come from the same top-k's pass. Logprobs
-are the raw logits minus their log-sum-exp, never a [B, V] log_softmax.
+pass; one whose random rows all have a top-k (up to 128) draws from each row's
+candidates of a Triton top-k; other steps (top-p or min-p without a top-k) take
+the torch stages, sorting the vocabulary; logprobs come from the top-k's pass.
+Logprobs are the raw logits minus their log-sum-exp, never a [B, V] log_softmax.
 """
 
 from __future__ import annotations
@@ -256,11 +255,6 @@ class Sampler(nn.Module):
 
             sampled, lse = draw_whole_vocabulary(logits, metadata, step_noise_keys(metadata),
                                                  with_lse=metadata.max_num_logprobs is not None)
-        elif logits.is_cuda and metadata.no_top_k and metadata.no_min_p:
-            # Top-p without a sort: a floor per row, then the same pass.
-            from novainfer.sample.ops import draw_top_p
-
-            sampled = draw_top_p(apply_penalties_and_min_tokens(logits, metadata), metadata, step_noise_keys(metadata))
         else:
             sampled = self._sample(apply_penalties_and_min_tokens(logits, metadata), metadata)
         # Logprobs describe the model's own distribution (vLLM v1's default "raw" mode).

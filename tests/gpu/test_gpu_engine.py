@@ -197,7 +197,7 @@ def _kernel_variants() -> dict[str, set[str]]:
                "prefill": prefill_ops._prefill_attention_kernel, "draw": sample_ops._draw_kernel,
                "combine": sample_ops._combine_chunks_kernel, "candidates": sample_ops._draw_candidates_kernel,
                "noise": sample_ops._exponential_noise_kernel, "top_k_chunks": sample_topk._top_k_chunks_kernel,
-               "top_k_merge": sample_topk._top_k_merge_kernel, "top_p_floor": sample_ops._top_p_floor_kernel}
+               "top_k_merge": sample_topk._top_k_merge_kernel}
     return {name: {str(key) for cache in kernel.device_caches.values() for key in cache[0]}
             for name, kernel in kernels.items()}
 
@@ -206,8 +206,7 @@ SAMPLING_SETTINGS = [
     dict(temperature=0), dict(temperature=0.8), dict(temperature=0.8, seed=3), dict(temperature=0, logprobs=3),
     dict(temperature=0.7, top_k=20, top_p=0.9), dict(temperature=0.7, top_k=20, seed=4),
     dict(temperature=0.8, repetition_penalty=1.2), dict(temperature=0, frequency_penalty=0.5, presence_penalty=0.3),
-    dict(temperature=0.9, min_tokens=4, logprobs=2), dict(temperature=0.8, top_p=0.9),
-    dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logprobs=2),
+    dict(temperature=0.9, min_tokens=4, logprobs=2),
 ]
 
 

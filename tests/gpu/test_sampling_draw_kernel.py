@@ -136,15 +136,17 @@ def test_candidate_draw_equals_the_torch_stages_for_the_same_noise(seed):
     logits[0, 7] = logits[0, 3] = logits[0].max() + 1  # equal maxima: the lowest id, as argmax
     values, ids = logits.sort(dim=-1, descending=True, stable=True)
     values, ids = values[:, :40], ids[:, :40]
-    metadata = SamplingMetadata.from_requests(CANDIDATE_PARAMS, [[]] * len(CANDIDATE_PARAMS),
-                                              [[]] * len(CANDIDATE_PARAMS), DEVICE, VOCAB)
+    # The kernel's metadata on its device; the reference's on the CPU, with the candidates.
+    metadata, reference = (SamplingMetadata.from_requests(CANDIDATE_PARAMS, [[]] * len(CANDIDATE_PARAMS),
+                                                          [[]] * len(CANDIDATE_PARAMS), device, VOCAB)
+                           for device in (DEVICE, "cpu"))
     keys = step_keys(metadata, seed)
     tokens = draw_candidates(values.to(DEVICE), ids.to(DEVICE), metadata, keys)
 
-    probs = _min_p_probs(mask_sorted_top_k_top_p(values / metadata.temperature.cpu().unsqueeze(1),
-                                                 metadata.top_k.cpu(), metadata.top_p.cpu()), metadata)
+    probs = _min_p_probs(mask_sorted_top_k_top_p(values / reference.temperature.unsqueeze(1), reference.top_k,
+                                                 reference.top_p), reference)
     choice = random_sample(probs, exponential_noise_torch(keys.cpu(), ids))
-    expected = torch.where(metadata.is_greedy.cpu(), ids[:, 0], ids.gather(1, choice.unsqueeze(1)).squeeze(1))
+    expected = torch.where(reference.is_greedy, ids[:, 0], ids.gather(1, choice.unsqueeze(1)).squeeze(1))
     assert tokens.tolist() == expected.tolist()
     assert tokens[[0, 5, 7]].tolist() == [3, ids[5, 0].item(), ids[7, 0].item()]
 
@@ -185,7 +187,7 @@ def test_cuda_sampler_gives_the_cpu_samplers_seeded_and_greedy_tokens_and_logpro
     (SamplingParams(temperature=1.0), PROBS),
     (SamplingParams(temperature=0.5), TEMPERED),
     (SamplingParams(top_k=2), renormalized([1, 1, 0, 0, 0])),  # the top-k candidates' draw
-    (SamplingParams(top_p=0.8), renormalized([1, 1, 1, 0, 0])),  # the top-p floors
+    (SamplingParams(top_p=0.8), renormalized([1, 1, 1, 0, 0])),  # top-p alone: the sort path
     (SamplingParams(temperature=0.5, top_p=0.85), renormalized([1, 1, 0, 0, 0], TEMPERED)),
     (SamplingParams(top_k=4, top_p=0.8), renormalized([1, 1, 1, 0, 0])),
 ], ids=["temperature1", "temperature0.5", "top_k2", "top_p0.8", "temp_then_top_p", "top_k4_top_p0.8"])

@@ -54,15 +54,7 @@ def whole_vocabulary(settings: list[SamplingParams]) -> list[SamplingParams]:
     return [p for p in settings if p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0]
 
 
-def without_top_k(settings: list[SamplingParams]) -> list[SamplingParams]:
-    """The settings without a top-k or min-p: a step of only these takes the top-p floors and the fused draw."""
-    return [p for p in settings if p.top_k <= 0 and p.min_p <= 0.0]
-
-
-SELECTIONS = dict(argvalues=[list, whole_vocabulary, without_top_k], ids=["every_setting", "whole_vocabulary", "top_p"])
-
-
-@pytest.mark.parametrize("select", **SELECTIONS)
+@pytest.mark.parametrize("select", [list, whole_vocabulary], ids=["every_setting", "whole_vocabulary"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
 def test_decode_steps_of_every_setting_never_sync(enforce_eager, select):
     model_dir = tiny_model()
@@ -87,7 +79,7 @@ def test_decode_steps_of_every_setting_never_sync(enforce_eager, select):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("select", **SELECTIONS)
+@pytest.mark.parametrize("select", [list, whole_vocabulary], ids=["every_setting", "whole_vocabulary"])
 def test_requests_joining_and_sampling_never_sync(select):
     """The table's writes when requests join (parameters, prompt masks, counts of earlier outputs,
     stop masks), the per-step gather, the sampler (torch stages with truncated rows in the step,

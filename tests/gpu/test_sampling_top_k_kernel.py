@@ -85,8 +85,10 @@ def test_logprobs_mode_gives_the_sampled_and_top_logprobs_and_ranks(num_logprobs
     logits = rows(torch.float16, 4)
     exact = logits.float()
     top_ids = exact.sort(dim=-1, descending=True, stable=True).indices
-    # A top token, a tied one (row 3), one outside the top, the last id, -inf.
-    sampled = torch.stack([top_ids[0, 0], top_ids[1, 9], top_ids[2, 2], top_ids[3, 300], top_ids[4, VOCAB - 1],
+    # A top token, a tied one (row 1, every value equal), a -inf one (row 2), one outside the top
+    # (row 3's values take four levels, about VOCAB / 4 tokens each: halfway down the sort is below
+    # the top level for any vocabulary), the last id, -inf.
+    sampled = torch.stack([top_ids[0, 0], top_ids[1, 9], top_ids[2, 2], top_ids[3, VOCAB // 2], top_ids[4, VOCAB - 1],
                            torch.tensor(VOCAB - 1)])
     lse = torch.logsumexp(exact, dim=-1)
     ids, logprobs, ranks = top_k_logprobs(logits.to(DEVICE), sampled.to(DEVICE), num_logprobs,
@@ -97,7 +99,8 @@ def test_logprobs_mode_gives_the_sampled_and_top_logprobs_and_ranks(num_logprobs
     torch.testing.assert_close(logprobs.cpu(), exact.gather(1, want_ids) - lse.unsqueeze(1), rtol=0, atol=1e-5)
     want_ranks = (exact > exact.gather(1, sampled.unsqueeze(1))).sum(dim=-1) + 1
     assert ranks.cpu().tolist() == want_ranks.tolist()
-    assert ranks[1].item() == 1 and ranks[3].item() > 2
+    # The data cover the cases above: the tied token shares the best rank, row 3's is outside the top.
+    assert want_ranks[1].item() == 1 and want_ranks[3].item() > 5
 
 
 # ---------------------------------------------------------------- the sampler's CUDA path (GPU)
