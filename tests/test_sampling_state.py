@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from novainfer.sample import LogprobsTensors, Sampler, SamplingStateTable
+from novainfer.sample.state import copy_to_device
+from novainfer.sample.rng import row_keys, seed_lanes
 from novainfer.sample.sampler import apply_min_tokens, apply_penalties
 from novainfer.sampling_params import SamplingParams
 from tests.test_sampler import naive_penalties
@@ -130,6 +132,36 @@ def test_top_k_candidates_and_the_full_vocabulary_draw_the_same_seeded_token():
         assert sampler(logits.expand(2, -1), both).sampled_token_ids[0].item() == token
         agree += token == sampler(logits, table.gather(np.array([1]), np.array([position]))).sampled_token_ids.item()
     assert 0 < agree < 200  # the row without top-k is the same stream over a larger set
+
+
+def test_step_noise_keys_are_the_torch_hash_of_each_rows_seed_and_position():
+    """The table hashes the seeded rows' keys with numpy; oracle: rng.row_keys on torch tensors of
+    the same seed lanes and positions (seeds at the ends of the accepted range included)."""
+    seeds = [0, 1, 2**64 - 1, -(2**63), 123456789012345]
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in seeds]
+    params.insert(2, SamplingParams(temperature=1.0))  # an unseeded row between them
+    table = SamplingStateTable(VOCAB, torch.device("cpu"))
+    table.add_requests(list(range(len(params))), params, [[]] * len(params), [[]] * len(params))
+    rows, positions = np.array([5, 0, 2, 3, 1, 4]), np.array([0, 7, 3, 2**31 + 5, 1, 2**40])
+    metadata = table.gather(rows, positions)
+    lanes = torch.tensor([seed_lanes(params[row].seed) if params[row].seed is not None else (0, 0) for row in rows])
+    expected = row_keys(lanes[:, 0], lanes[:, 1], torch.from_numpy(positions))
+    seeded = metadata.is_seeded.tolist()
+    assert seeded == [params[row].seed is not None for row in rows]
+    assert metadata.noise_keys.dtype == torch.int64
+    assert metadata.noise_keys[metadata.is_seeded].tolist() == expected[metadata.is_seeded].tolist()
+
+
+def test_packed_copies_keep_each_array_and_align_it_to_16_bytes():
+    """Triton kernels specialize on 16-byte pointer alignment: a view at an offset that depends on
+    the batch size must not change it (a step's flags and keys are passed to the sampler's kernels)."""
+    for batch in (1, 3, 5, 8):
+        arrays = [np.arange(batch, dtype=np.int64), np.arange(batch) % 2 == 0, np.full(batch, 7, dtype=np.int64),
+                  np.arange(batch * 3, dtype=np.float32).reshape(batch, 3)]
+        views = copy_to_device(arrays, torch.device("cpu"))
+        for array, view in zip(arrays, views):
+            assert view.data_ptr() % 16 == 0
+            assert np.array_equal(view.numpy(), array) and view.numpy().dtype == array.dtype
 
 
 def test_rows_beyond_the_table_grow_it_and_bad_sizes_raise():

@@ -1,9 +1,9 @@
 """Triton kernels of the sampler (CUDA): the counter-based noise of :mod:`novainfer.sample.rng`,
-and the whole-vocabulary draw fused into one pass over the logits.
+the whole-vocabulary draw fused into one pass over the logits, and the draw among top-k candidates.
 
-The noise kernel does the same int64 arithmetic as the torch version (the same bits; only ``log``
-may differ in the last place). The torch version runs about twenty elementwise passes over a
-[rows, vocabulary] int64 tensor; the kernels compute each value in registers.
+The noise kernel does the same hash as the torch version (the same bits, in uint32 arithmetic;
+only ``log`` may differ in the last place). The torch version runs about twenty elementwise passes
+over a [rows, vocabulary] int64 tensor; the kernels compute each value in registers.
 
 The fused draw (:func:`draw_whole_vocabulary`) serves steps whose random rows sample from the whole
 vocabulary (no top-k, top-p or min-p): each program reads one chunk of one row of the logits once,
@@ -11,6 +11,10 @@ applies the step's min_tokens mask and penalties (the same float operations, in 
 :func:`novainfer.sample.sampler.apply_penalties`), adds the noise and reduces the chunk to its best
 token; with logprobs it also reduces the raw logits to the chunk's (max, sum of exp). The torch
 path instead runs about ten float32 passes (softmax, noise, division, argmax, each penalty).
+
+The candidate draw (:func:`draw_candidates`) serves steps whose random rows all have a top-k: one
+program per row samples among the row's top-k candidates (:mod:`novainfer.sample.topk`), with its
+top-p and min-p, in one launch where the torch stages take about twenty small ones.
 """
 
 from __future__ import annotations
@@ -19,27 +23,32 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.sample import rng
+from novainfer.sample import rng, topk
+from novainfer.sample.kernel_args import stand_in
 from novainfer.sample.metadata import SamplingMetadata
+from novainfer.sampling_params import SamplingParams
 
 # The hash's constants (see novainfer.sample.rng), as compile-time constants of the kernels.
-_MASK32 = tl.constexpr(rng.MASK32)
 _MUL = tl.constexpr(rng.HASH_MUL)
 _GOLDEN = tl.constexpr(rng.GOLDEN)
 
 
 @triton.jit
 def _mix32(x):
-    x = ((x >> 16) ^ x) * _MUL & _MASK32
-    x = ((x >> 16) ^ x) * _MUL & _MASK32
-    x = ((x >> 16) ^ x) * _MUL & _MASK32
+    """rng._mix32 on uint32 ``x``: a uint32 product wraps modulo 2**32, which is the torch
+    version's ``& MASK32`` of its int64 product, in one 32-bit multiply instead of a 64-bit one."""
+    x = ((x >> 16) ^ x) * _MUL.value
+    x = ((x >> 16) ^ x) * _MUL.value
+    x = ((x >> 16) ^ x) * _MUL.value
     return (x >> 16) ^ x
 
 
 @triton.jit
 def _exponential(key, ids):
-    """Exp(1) noise of token ``ids`` (int64) for a row's ``key``: rng.exponential_noise_torch."""
-    bits = _mix32((key + ids * _GOLDEN) & _MASK32)
+    """Exp(1) noise of token ``ids`` (int64) for a row's ``key``: rng.exponential_noise_torch, in
+    uint32 arithmetic (the low 32 bits of the torch version's int64 sums and products)."""
+    golden = tl.full([], _GOLDEN, tl.uint32)
+    bits = _mix32(key.to(tl.uint32) + ids.to(tl.uint32) * golden)
     uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # rng.uniform_from_bits
     return -tl.log(uniform)
 
@@ -149,14 +158,14 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     chunk_sum = torch.empty_like(best_score) if with_lse else best_score
     # Absent tables are never read (their flag is off); stand-ins of the same dtypes keep the
     # kernel's signature, so that absent and present stages launch the same compiled variant.
-    stop_table = _stand_in(stop, torch.uint8, device)
-    seen_table = _stand_in(seen, torch.uint8, device)
-    counts_table = _stand_in(counts, torch.int32, device)
-    frequency_values = _stand_in(frequency, torch.float32, device)
-    presence_values = _stand_in(presence, torch.float32, device)
+    stop_table = stand_in(stop, torch.uint8, device)
+    seen_table = stand_in(seen, torch.uint8, device)
+    counts_table = stand_in(counts, torch.int32, device)
+    frequency_values = stand_in(frequency, torch.float32, device)
+    presence_values = stand_in(presence, torch.float32, device)
     _draw_kernel[(batch_size, num_chunks)](
         logits, logits.stride(0), vocab_size, num_chunks, temperature, temperature.stride(0), greedy,
-        _stand_in(keys, torch.int64, device),
+        stand_in(keys, torch.int64, device),
         int(stop is not None), stop_table, stop_table.stride(0),
         int(seen is not None), repetition, repetition.stride(0), seen_table, seen_table.stride(0),
         int(frequency is not None), frequency_values, frequency_values.stride(0),
@@ -172,23 +181,67 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     return tokens, lse if with_lse else None
 
 
-_STAND_INS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+@triton.jit
+def _softmax(x):
+    e = tl.exp(x - tl.max(x, axis=0))
+    return e / tl.sum(e, axis=0)
 
 
-def _stand_in(tensor: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``tensor`` (contiguous), or a one-element [1, 1] tensor of ``dtype`` in its place (made once
-    per dtype and device: a step with no penalty would otherwise allocate and fill several)."""
-    if tensor is not None:
-        return tensor.contiguous()
-    stand_in = _STAND_INS.get((dtype, device))
-    if stand_in is None:
-        stand_in = _STAND_INS[(dtype, device)] = torch.zeros(1, 1, dtype=dtype, device=device)
-    return stand_in
+@triton.jit(do_not_specialize=["stride_candidates", "num_candidates", "stride_temperature", "stride_top_k",
+                               "use_top_p", "stride_top_p", "use_min_p", "stride_min_p"])
+def _draw_candidates_kernel(values_ptr, ids_ptr, stride_candidates, num_candidates, temperature_ptr,
+                            stride_temperature, top_k_ptr, stride_top_k, use_top_p, top_p_ptr, stride_top_p,
+                            use_min_p, min_p_ptr, stride_min_p, greedy_ptr, keys_ptr, tokens_ptr,
+                            WIDTH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * stride_candidates
+    if tl.load(greedy_ptr + row) != 0:
+        # The first candidate is the argmax (the lowest id among equal maxima).
+        tl.store(tokens_ptr + row, tl.load(ids_ptr + base))
+    else:
+        # sampler.mask_sorted_top_k_top_p, then _min_p_probs and random_sample, on the row's sorted
+        # candidates: the same operations in float32 (sums in another order).
+        cols = tl.arange(0, WIDTH)
+        kept = (cols < num_candidates) & (cols < tl.load(top_k_ptr + row * stride_top_k))
+        x = tl.load(values_ptr + base + cols, mask=kept, other=float("-inf"))
+        x = tl.math.div_rn(x, tl.load(temperature_ptr + row * stride_temperature))
+        top_p = tl.load(top_p_ptr + row * stride_top_p)
+        if (use_top_p != 0) & (top_p < 1.0):
+            probs = _softmax(x)
+            mass_before = tl.cumsum(probs, axis=0) - probs
+            x = tl.where((mass_before >= top_p) & (cols > 0), float("-inf"), x)
+        probs = _softmax(x)
+        if use_min_p != 0:
+            probs = tl.where(probs < tl.load(min_p_ptr + row * stride_min_p) * tl.max(probs, axis=0), 0.0, probs)
+        ids = tl.load(ids_ptr + base + cols, mask=cols < num_candidates, other=0)
+        race = tl.math.div_rn(probs, _exponential(tl.load(keys_ptr + row), ids))
+        _, choice = tl.max(race, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(tokens_ptr + row, tl.load(ids_ptr + base + choice))
+
+
+def draw_candidates(values: torch.Tensor, ids: torch.Tensor, metadata: SamplingMetadata,
+                    keys: torch.Tensor) -> torch.Tensor:
+    """One token [B] int64 per row from its candidates, the ``values`` [B, k] (float32, descending)
+    and ``ids`` [B, k] of :func:`novainfer.sample.topk.top_k` over the penalized logits, k the
+    step's ``max_top_k`` (every random row has a top-k <= k): greedy rows take the first candidate,
+    the others draw from softmax(values / temperature) cut to their top-k, top-p and min-p, with
+    the Exp(1) noise of each candidate's id under their row's ``keys`` entry ([B] int64, see
+    :mod:`novainfer.sample.rng`): the tokens of Sampler._sample's torch stages for the same noise."""
+    batch_size, num_candidates = values.shape
+    tokens = torch.empty(batch_size, dtype=torch.int64, device=values.device)
+    _draw_candidates_kernel[(batch_size,)](
+        values, ids, values.stride(0), num_candidates, metadata.temperature, metadata.temperature.stride(0),
+        metadata.top_k, metadata.top_k.stride(0), int(not metadata.no_top_p), metadata.top_p,
+        metadata.top_p.stride(0), int(not metadata.no_min_p), metadata.min_p, metadata.min_p.stride(0),
+        metadata.is_greedy.contiguous().view(torch.uint8), keys, tokens,
+        WIDTH=topk.kernel_width(num_candidates), num_warps=1)  # at most 128 candidates: one warp
+    return tokens
 
 
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compiles every variant of the sampler's kernels for logits [B, ``vocab_size``] of ``dtype``: the
-    draw with and without noise and log-sum-exp, the rank count, and the noise of chosen tokens."""
+    draw with and without noise and log-sum-exp, the rank count, the top-k of each width and the
+    noise of chosen tokens."""
     logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
     one = torch.ones(1, dtype=torch.float32, device=device)
     keys = torch.zeros(1, dtype=torch.int64, device=device)
@@ -196,7 +249,14 @@ def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     for noise in (None, keys):
         for with_lse in (False, True):
             _draw(logits, one, greedy, noise, None, None, one, None, None, None, with_lse, 4096)
-    count_greater(logits, one, torch.ones(1, dtype=torch.bool, device=device))
+    # Top-k candidates read the raw logits, or float32 ones where penalties or min_tokens apply;
+    # every width a k <= V can take.
+    for width in {min(width, vocab_size) for width in topk.WIDTHS}:
+        for top_k_dtype in {dtype, torch.float32}:
+            values, ids = topk.top_k(logits.to(top_k_dtype), width)
+        metadata = SamplingMetadata.from_requests([SamplingParams(temperature=1.0, top_k=width)], [[]], [[]], device,
+                                                  vocab_size)
+        draw_candidates(values, ids, metadata, keys)
     for token_ids in (keys, keys.view(1, 1)):
         exponential_noise_triton(keys, token_ids)
 
@@ -213,33 +273,4 @@ def _combine_chunks_kernel(best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_
     _, best = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(tokens_ptr + row, tl.load(best_token_ptr + row * num_chunks + best))
     if LSE:
-        maxima = tl.load(chunk_max_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
-        sums = tl.load(chunk_sum_ptr + row * num_chunks + chunks, mask=valid, other=0.0)
-        row_max = tl.max(maxima, axis=0)
-        total = tl.sum(tl.where(maxima > float("-inf"), sums * tl.exp(maxima - row_max), 0.0), axis=0)
-        tl.store(lse_ptr + row, row_max + tl.log(total))
-
-
-@triton.jit
-def _count_greater_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, values_ptr, needed_ptr, out_ptr,
-                          BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    # Rows that are not needed load nothing (a masked load reads no memory).
-    read = (cols < vocab_size) & (tl.load(needed_ptr + row) != 0)
-    x = tl.load(logits_ptr + row * stride_logits + cols, mask=read, other=float("-inf")).to(tl.float32)
-    tl.store(out_ptr + row * num_chunks + chunk, tl.sum((x > tl.load(values_ptr + row)).to(tl.int32), axis=0))
-
-
-def count_greater(logits: torch.Tensor, values: torch.Tensor, needed: torch.Tensor, block: int = 4096) -> torch.Tensor:
-    """[B] int64: how many entries of each row of ``logits`` [B, V] exceed the row's ``values``
-    entry ([B] float32), for the rows where ``needed`` ([B] bool) is set; 0 for the others, whose
-    logits are not read."""
-    batch_size, vocab_size = logits.shape
-    num_chunks = triton.cdiv(vocab_size, block)
-    partial = torch.empty(batch_size, num_chunks, dtype=torch.int32, device=logits.device)
-    _count_greater_kernel[(batch_size, num_chunks)](logits, logits.stride(0), vocab_size, num_chunks,
-                                                    values.contiguous(), needed.view(torch.uint8), partial,
-                                                    BLOCK=block, num_warps=8)
-    return partial.sum(dim=1)
+        tl.store(lse_ptr + row, topk.combined_lse(chunk_max_ptr, chunk_sum_ptr, row, num_chunks, CHUNKS))

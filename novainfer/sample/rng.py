@@ -25,7 +25,12 @@ multiply integer hash (``x ^= x >> 16; x *= 0x45d9f3b``) applied three times, a 
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import numpy as np
 import torch
+
+ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 
 MASK32 = 0xFFFFFFFF
 HASH_MUL = 0x45D9F3B
@@ -34,8 +39,8 @@ HASH_MUL = 0x45D9F3B
 GOLDEN = 0x9E3779B1
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer hash of the int64 tensor ``x`` (values in [0, 2**32))."""
+def _mix32(x: ArrayT) -> ArrayT:
+    """A bijective 32-bit integer hash of the int64 tensor or array ``x`` (values in [0, 2**32))."""
     for _ in range(3):
         x = ((x >> 16) ^ x) * HASH_MUL & MASK32
     return (x >> 16) ^ x
@@ -53,8 +58,9 @@ def seed_lanes(seed: int) -> tuple[int, int]:
     return _mix32_int(seed & MASK32), _mix32_int((seed >> 32) ^ 0x5BD1E995)
 
 
-def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[B] 32-bit keys of each row's draw at its output position (int64 tensors of one shape)."""
+def row_keys(seed_lo: ArrayT, seed_hi: ArrayT, positions: ArrayT) -> ArrayT:
+    """[B] 32-bit keys of each row's draw at its output position: int64 tensors, or int64 numpy
+    arrays (the same operations, so the same keys), of one shape."""
     return _mix32(seed_hi ^ _mix32(seed_lo ^ _mix32(positions & MASK32)))
 
 

@@ -2,11 +2,14 @@
 
 Each stage is a plain function over [B, V] tensors so it can be tested on its
 own; `Sampler.forward` chains them in vLLM's order. No stage modifies the
-caller's logits. These torch stages are the reference (and the CPU path); on
-CUDA a step whose random rows draw from the whole vocabulary (no top-k, top-p
-or min-p) runs them fused in one Triton pass (novainfer.sample.ops), with the
-same noise for seeded rows and so the same tokens. Logprobs are the raw
-logits minus their log-sum-exp, never a [B, V] log_softmax.
+caller's logits. These torch stages are the reference (and the CPU path). On
+CUDA, Triton kernels (novainfer.sample.ops, novainfer.sample.topk) replace them
+with the same noise for seeded rows, and so the same tokens: a step whose random
+rows draw from the whole vocabulary (no top-k, top-p or min-p) runs in one fused
+pass; one whose random rows all have a top-k (up to 128) draws from each row's
+candidates of a Triton top-k; other steps (top-p or min-p without a top-k) take
+the torch stages, sorting the vocabulary; logprobs come from the top-k's pass.
+Logprobs are the raw logits minus their log-sum-exp, never a [B, V] log_softmax.
 """
 
 from __future__ import annotations
@@ -178,6 +181,19 @@ def exponential_draws(probs: torch.Tensor, token_ids: torch.Tensor, metadata: Sa
     return torch.where(metadata.is_seeded.unsqueeze(1), seeded, noise)
 
 
+def largest_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of each row of ``logits`` [B, V] (any float dtype), descending, as
+    float32 values and int64 ids. On CUDA, for k up to novainfer.sample.topk.MAX_K, one Triton top-k
+    that puts the lowest ids first among equal values; elsewhere torch.topk, which names any of them."""
+    if logits.is_cuda:
+        from novainfer.sample.topk import MAX_K, top_k
+
+        if k <= MAX_K:
+            return top_k(logits, k)
+    values, ids = logits.topk(k, dim=-1)
+    return values.to(torch.float32), ids
+
+
 def random_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Draw one index per row from (unnormalized) probs, given Exp(1) noise of the same shape.
 
@@ -194,35 +210,23 @@ def gather_logprobs(
     ``logits`` [B, V] (any float dtype), without a [B, V] log_softmax: a logprob is the logit minus
     the row's log-sum-exp ``lse`` ([B] float32; computed here when not given), and the top
     alternatives are the top logits."""
+    if logits.is_cuda:
+        from novainfer.sample.topk import MAX_K, top_k_logprobs
+
+        if num_logprobs <= min(MAX_K, logits.shape[-1]):
+            # Two Triton launches: the top-k pass also counts the ranks and, where not given, the lse.
+            return LogprobsTensors(*top_k_logprobs(logits, sampled, num_logprobs, lse))
     if lse is None:
         lse = torch.logsumexp(logits.to(torch.float32), dim=-1)
     sampled = sampled.unsqueeze(1)
     sampled_logits = logits.gather(-1, sampled).to(torch.float32)
-    # At least the top entry, which tells which rows' ranks need counting (see sampled_token_ranks).
-    top_logits, top_ids = logits.topk(min(max(num_logprobs, 1), logits.shape[-1]), dim=-1)
-    top_logits = top_logits.to(torch.float32)
+    top_logits, top_ids = largest_logits(logits, min(num_logprobs, logits.shape[-1]))
     return LogprobsTensors(
-        token_ids=torch.cat([sampled, top_ids[:, :num_logprobs]], dim=1),
-        logprobs=torch.cat([sampled_logits, top_logits[:, :num_logprobs]], dim=1) - lse.unsqueeze(1),
-        sampled_token_ranks=sampled_token_ranks(logits, sampled_logits.squeeze(1), top_logits),
+        token_ids=torch.cat([sampled, top_ids], dim=1),
+        logprobs=torch.cat([sampled_logits, top_logits], dim=1) - lse.unsqueeze(1),
+        # 1 + the number of strictly larger logits: tied tokens share the best rank.
+        sampled_token_ranks=(logits.to(torch.float32) > sampled_logits).sum(dim=-1) + 1,
     )
-
-
-def sampled_token_ranks(logits: torch.Tensor, sampled_logits: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
-    """[B] int64 rank of each row's sampled token: 1 + the number of strictly larger logits, so tied
-    tokens share the best rank. ``top_logits`` [B, k >= 1] are the row's largest logits, descending.
-
-    On CUDA only the rows whose sampled logit is below their k-th largest are counted over the
-    vocabulary (one Triton pass that skips the other rows): every logit above a sampled one at
-    least as large as the k-th largest is among the top k, so those ranks come from ``top_logits``.
-    """
-    if not logits.is_cuda:
-        return (logits.to(torch.float32) > sampled_logits.unsqueeze(1)).sum(dim=-1) + 1
-    from novainfer.sample.ops import count_greater
-
-    in_top = sampled_logits >= top_logits[:, -1]
-    counted = count_greater(logits, sampled_logits, ~in_top)
-    return torch.where(in_top, (top_logits > sampled_logits.unsqueeze(1)).sum(dim=-1), counted) + 1
 
 
 class Sampler(nn.Module):
@@ -261,6 +265,16 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if logits.is_cuda and metadata.max_top_k is not None:
+            from novainfer.sample.ops import draw_candidates
+            from novainfer.sample.topk import MAX_K, top_k
+
+            num_candidates = min(metadata.max_top_k, logits.shape[-1])
+            if num_candidates <= MAX_K:
+                # Three Triton launches (the top-k's two and the draw) for what the torch stages
+                # below do in about twenty.
+                values, ids = top_k(logits, num_candidates)
+                return draw_candidates(values, ids, metadata, step_noise_keys(metadata))
         # Logits in any float dtype: argmax and top-k read them as they are (a float32 copy of the
         # whole vocabulary would be a pass of its own), the arithmetic is float32.
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
@@ -273,8 +287,7 @@ class Sampler(nn.Module):
             # Every random row keeps at most max_top_k tokens: sample among those candidates
             # (sorted, as top-p needs) rather than sorting the whole vocabulary. A temperature
             # keeps a row's order, so it only needs to scale the candidates.
-            logits, token_ids = logits.topk(min(metadata.max_top_k, logits.shape[-1]), dim=-1)
-            logits = logits.to(torch.float32)
+            logits, token_ids = largest_logits(logits, min(metadata.max_top_k, logits.shape[-1]))
             top_p = None if metadata.no_top_p else metadata.top_p
             probs = _min_p_probs(mask_sorted_top_k_top_p(logits / metadata.temperature.unsqueeze(1), metadata.top_k,
                                                          top_p), metadata)

@@ -2,18 +2,20 @@
 
 Each running request owns a row (the model runner uses the row of its block table). What sampling
 needs of a request lives in that row on the device: its parameters (temperature, top-k, top-p,
-min-p, penalties, seed lanes, min_tokens), and where it uses them, the counts of the tokens it
+min-p, penalties, min_tokens), and where it uses them, the counts of the tokens it
 generated (frequency and presence penalties), the set of tokens in its prompt or output
 (repetition penalty) and its stop tokens (min_tokens).
 A row is written once, when its request joins (or resumes after preemption), in one packed
-non-blocking copy from pinned memory; afterwards the only host-to-device traffic of a step is the
-step's row indices and output positions, and the output counts are updated on the device from the
-sampled tokens. A step therefore never waits for the device, whatever its sampling settings.
+non-blocking copy from pinned memory; afterwards the only host-to-device traffic of a step is one
+packed non-blocking copy of the step's row indices, output positions, greedy and seeded flags and
+the seeded rows' noise keys, and the output counts are updated on the device from the sampled
+tokens. A step therefore never waits for the device, whatever its sampling settings.
 
-The host keeps a numpy mirror of the per-row flags, so that which stages a step needs (any top-k?
-any penalty? below min_tokens?) is decided without reading the device.
+The host keeps a numpy mirror of the per-row flags and seed lanes, so that which stages a step
+needs (any top-k? any penalty? below min_tokens?) is decided, and the noise keys are hashed,
+without reading the device.
 
-Memory: the parameters take 96 bytes a row. The vocabulary-wide tables are allocated on first use,
+Memory: the parameters take 40 bytes a row. The vocabulary-wide tables are allocated on first use,
 for every row: output counts (int32) once some request has a frequency or presence penalty, the
 seen-token mask (bool) once some request has a repetition penalty, and the stop-token mask (bool)
 once some request has min_tokens: 6 bytes per row and vocabulary entry at most, e.g. 0.9 MB a row
@@ -33,9 +35,12 @@ from novainfer.sampling_params import SamplingParams
 
 # Columns of the float and int parameter tables.
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
-_TOP_K, _SEED_LO, _SEED_HI, _MIN_TOKENS, _SEEDED, _GREEDY = range(6)
-_NUM_FLOAT, _NUM_INT = 6, 6
-_ALIGN = 8
+_TOP_K, _MIN_TOKENS = range(2)
+_NUM_FLOAT, _NUM_INT = 6, 2
+# Each array of a packed copy starts at a multiple of 16 bytes: Triton specializes a kernel on
+# whether its pointers are 16-byte aligned, so views at offsets that vary with the batch size would
+# compile new variants mid-run (the step's greedy flags and noise keys go to the sampler's kernels).
+_ALIGN = 16
 
 
 def copy_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -75,6 +80,8 @@ class SamplingStateTable:
         # Host mirror of what decides a step's stages.
         self._greedy = np.zeros(0, dtype=bool)
         self._seeded = np.zeros(0, dtype=bool)
+        self._seed_lo = np.zeros(0, dtype=np.int64)  # the seed's hashed lanes (rng.seed_lanes)
+        self._seed_hi = np.zeros(0, dtype=np.int64)
         self._top_k = np.zeros(0, dtype=np.int64)
         self._top_p = np.zeros(0, dtype=np.float32)
         self._min_p = np.zeros(0, dtype=np.float32)
@@ -104,6 +111,7 @@ class SamplingStateTable:
             return out
 
         self._greedy, self._seeded = grown_np(self._greedy, True), grown_np(self._seeded, False)
+        self._seed_lo, self._seed_hi = grown_np(self._seed_lo, 0), grown_np(self._seed_hi, 0)
         self._top_k, self._top_p = grown_np(self._top_k, self.vocab_size), grown_np(self._top_p, 1.0)
         self._min_p = grown_np(self._min_p, 0.0)
         self._repetition = grown_np(self._repetition, False)
@@ -149,9 +157,10 @@ class SamplingStateTable:
             seed_lo, seed_hi = seed_lanes(p.seed) if seeded else (0, 0)
             floats[i] = (1.0 if greedy else p.temperature, p.top_p, p.min_p, p.presence_penalty,
                          p.frequency_penalty, p.repetition_penalty)
-            ints[i] = (top_k, seed_lo, seed_hi, p.min_tokens, seeded, greedy)
+            ints[i] = (top_k, p.min_tokens)
             stops = [t for t in p.all_stop_token_ids if t < vocab] if p.min_tokens else []
             self._greedy[row], self._seeded[row], self._top_k[row] = greedy, seeded, top_k
+            self._seed_lo[row], self._seed_hi[row] = seed_lo, seed_hi
             self._top_p[row], self._min_p[row] = p.top_p, p.min_p
             self._repetition[row] = p.repetition_penalty != 1.0
             self._frequency[row], self._presence[row] = p.frequency_penalty != 0.0, p.presence_penalty != 0.0
@@ -211,14 +220,16 @@ class SamplingStateTable:
         blocking = bool((positions < self._min_tokens[rows]).any())
         logprobs = int(self._logprobs[rows].max(initial=-1))
 
-        rows_d, positions_d = copy_to_device([rows.astype(np.int64, copy=False),
-                                              positions.astype(np.int64, copy=False)], self.device)
+        positions = positions.astype(np.int64, copy=False)
+        # The seeded rows' noise keys are hashed here (a few numpy operations on B values, where
+        # the device would take some forty launches) and travel in the step's one copy.
+        keys = row_keys(self._seed_lo[rows], self._seed_hi[rows], positions) if any_seeded else np.zeros(0, np.int64)
+        rows_d, positions_d, greedy_d, seeded_d, keys_d = copy_to_device(
+            [rows.astype(np.int64, copy=False), positions, greedy, seeded, keys], self.device)
         floats = self.float_params[rows_d]
         ints = self.int_params[rows_d]
-        noise_keys = is_seeded = None
-        if any_seeded:
-            noise_keys = row_keys(ints[:, _SEED_LO], ints[:, _SEED_HI], positions_d)
-            is_seeded = ints[:, _SEEDED].bool()
+        noise_keys = keys_d if any_seeded else None
+        is_seeded = seeded_d if any_seeded else None
         counts = self.output_counts[rows_d] if frequency or presence else None
         seen = self.seen_mask[rows_d] if repetition else None
         min_tokens_mask = None
@@ -228,7 +239,7 @@ class SamplingStateTable:
         return SamplingMetadata(
             vocab_size=vocab,
             temperature=floats[:, _TEMPERATURE],
-            is_greedy=ints[:, _GREEDY].bool(),
+            is_greedy=greedy_d,
             all_greedy=not any_random,
             all_random=not greedy.any(),
             top_k=ints[:, _TOP_K],

@@ -192,10 +192,12 @@ def _kernel_variants() -> dict[str, set[str]]:
     decode_ops = importlib.import_module("novainfer.attention.ops.decode_attention")
     prefill_ops = importlib.import_module("novainfer.attention.ops.prefill_attention")
     sample_ops = importlib.import_module("novainfer.sample.ops")
+    sample_topk = importlib.import_module("novainfer.sample.topk")
     kernels = {"decode": decode_ops._decode_attention_kernel, "reduce": decode_ops._reduce_splits_kernel,
                "prefill": prefill_ops._prefill_attention_kernel, "draw": sample_ops._draw_kernel,
-               "combine": sample_ops._combine_chunks_kernel, "count": sample_ops._count_greater_kernel,
-               "noise": sample_ops._exponential_noise_kernel}
+               "combine": sample_ops._combine_chunks_kernel, "candidates": sample_ops._draw_candidates_kernel,
+               "noise": sample_ops._exponential_noise_kernel, "top_k_chunks": sample_topk._top_k_chunks_kernel,
+               "top_k_merge": sample_topk._top_k_merge_kernel}
     return {name: {str(key) for cache in kernel.device_caches.values() for key in cache[0]}
             for name, kernel in kernels.items()}
 

@@ -1,10 +1,11 @@
-"""The fused whole-vocabulary draw and the rank count (Triton, novainfer.sample.ops) against the torch
-sampler they replace on CUDA. On a GPU, or on CPU tensors under ``TRITON_INTERPRET=1``.
+"""The fused whole-vocabulary draw and the candidate draw (Triton, novainfer.sample.ops) against the
+torch sampler they replace on CUDA. On a GPU, or on CPU tensors under ``TRITON_INTERPRET=1``.
 
 Oracles: for the same Exp(1) noise, the torch path's token (min_tokens, penalties, then argmax for
-greedy rows and the exponential race over softmax(logits / temperature) for the others); the
-log-sum-exp of the raw logits (``torch.logsumexp``, within 1e-5 absolute: float32 sums in another
-order and ``exp``/``log`` within a few ulps); ranks counted with ``>`` over the whole row. On a GPU
+greedy rows and the exponential race over softmax(logits / temperature) for the others; top-k,
+top-p and min-p masks on sorted candidates); the log-sum-exp of the raw logits
+(``torch.logsumexp``, within 1e-5 absolute: float32 sums in another order and ``exp``/``log``
+within a few ulps). On a GPU
 also: the sampler's CUDA path gives the CPU sampler's tokens for seeded and greedy rows, logprobs
 equal to a float64 ``log_softmax`` of the logits within 5e-5 absolute (a float32 sum of 152k terms
 whose largest ones dominate is good to about sqrt(V) ulps: 1.9e-5 was seen against float32 torch),
@@ -21,12 +22,13 @@ import torch
 pytest.importorskip("triton")
 
 from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
-from novainfer.sample.ops import count_greater, draw_whole_vocabulary  # noqa: E402
+from novainfer.sample.ops import draw_candidates, draw_whole_vocabulary  # noqa: E402
 from novainfer.sample.rng import exponential_noise_torch  # noqa: E402
-from novainfer.sample.sampler import apply_penalties_and_min_tokens, random_sample, sampling_probs  # noqa: E402
+from novainfer.sample.sampler import (  # noqa: E402
+    _min_p_probs, apply_penalties_and_min_tokens, mask_sorted_top_k_top_p, random_sample, sampling_probs)
 from novainfer.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
-from tests.test_sampler import NUM_DRAWS, PROBS, TEMPERED, TOLERANCE  # noqa: E402
+from tests.test_sampler import NUM_DRAWS, PROBS, TEMPERED, TOLERANCE, renormalized  # noqa: E402
 
 pytestmark = MARKS
 
@@ -74,7 +76,8 @@ def batch(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, SamplingMetadata
 
 
 def step_keys(metadata: SamplingMetadata, seed: int) -> torch.Tensor:
-    keys = torch.randint(0, 2**32, (len(PARAMS),), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    rows = metadata.temperature.shape[0]
+    keys = torch.randint(0, 2**32, (rows,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     return torch.where(metadata.is_seeded, metadata.noise_keys, keys)
 
 
@@ -112,17 +115,40 @@ def test_all_greedy_rows_need_no_keys():
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
-def test_count_greater_counts_the_needed_rows_only():
-    generator = torch.Generator().manual_seed(1)
-    logits = torch.randn(6, VOCAB, generator=generator)
-    logits[0, :10] = float("-inf")
-    values = logits[:, 17].clone()
-    values[3] = float("-inf")  # every logit counts, none of the padding past the vocabulary
-    needed = torch.tensor([True, True, False, True, True, False])
-    got = count_greater(logits.to(DEVICE), values.to(DEVICE), needed.to(DEVICE), block=BLOCK).cpu()
-    expected = torch.where(needed, (logits > values.unsqueeze(1)).sum(dim=-1), 0)
-    assert got.tolist() == expected.tolist()
-    assert got[3].item() == VOCAB
+CANDIDATE_PARAMS = [
+    SamplingParams(temperature=0.0),  # the first candidate
+    SamplingParams(temperature=0.7, top_k=40),
+    SamplingParams(temperature=1.2, top_k=3, seed=1),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.5),
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, seed=2),
+    SamplingParams(temperature=0.8, top_k=1),
+    SamplingParams(temperature=1.5, top_k=40, min_p=0.3),
+    SamplingParams(temperature=1.0, top_k=30, top_p=1e-6),  # the top candidate only
+]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_candidate_draw_equals_the_torch_stages_for_the_same_noise(seed):
+    """Oracle: Sampler._sample's torch stages on the same candidates (top-k, top-p and min-p masks,
+    then the exponential race with the same noise), greedy rows the first candidate."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(CANDIDATE_PARAMS), VOCAB, generator=generator) * 2
+    logits[0, 7] = logits[0, 3] = logits[0].max() + 1  # equal maxima: the lowest id, as argmax
+    values, ids = logits.sort(dim=-1, descending=True, stable=True)
+    values, ids = values[:, :40], ids[:, :40]
+    # The kernel's metadata on its device; the reference's on the CPU, with the candidates.
+    metadata, reference = (SamplingMetadata.from_requests(CANDIDATE_PARAMS, [[]] * len(CANDIDATE_PARAMS),
+                                                          [[]] * len(CANDIDATE_PARAMS), device, VOCAB)
+                           for device in (DEVICE, "cpu"))
+    keys = step_keys(metadata, seed)
+    tokens = draw_candidates(values.to(DEVICE), ids.to(DEVICE), metadata, keys)
+
+    probs = _min_p_probs(mask_sorted_top_k_top_p(values / reference.temperature.unsqueeze(1), reference.top_k,
+                                                 reference.top_p), reference)
+    choice = random_sample(probs, exponential_noise_torch(keys.cpu(), ids))
+    expected = torch.where(reference.is_greedy, ids[:, 0], ids.gather(1, choice.unsqueeze(1)).squeeze(1))
+    assert tokens.tolist() == expected.tolist()
+    assert tokens[[0, 5, 7]].tolist() == [3, ids[5, 0].item(), ids[7, 0].item()]
 
 
 # ---------------------------------------------------------------- the sampler's CUDA path (GPU)
@@ -157,9 +183,14 @@ def test_cuda_sampler_gives_the_cpu_samplers_seeded_and_greedy_tokens_and_logpro
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params, expected", [(SamplingParams(temperature=1.0), PROBS),
-                                              (SamplingParams(temperature=0.5), TEMPERED)],
-                         ids=["temperature1", "temperature0.5"])
+@pytest.mark.parametrize("params, expected", [
+    (SamplingParams(temperature=1.0), PROBS),
+    (SamplingParams(temperature=0.5), TEMPERED),
+    (SamplingParams(top_k=2), renormalized([1, 1, 0, 0, 0])),  # the top-k candidates' draw
+    (SamplingParams(top_p=0.8), renormalized([1, 1, 1, 0, 0])),  # top-p alone: the sort path
+    (SamplingParams(temperature=0.5, top_p=0.85), renormalized([1, 1, 0, 0, 0], TEMPERED)),
+    (SamplingParams(top_k=4, top_p=0.8), renormalized([1, 1, 1, 0, 0])),
+], ids=["temperature1", "temperature0.5", "top_k2", "top_p0.8", "temp_then_top_p", "top_k4_top_p0.8"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["step_keys", "seeded"])
 def test_cuda_draws_follow_the_distribution(params, expected, seeded):
     torch.manual_seed(6)
@@ -169,3 +200,4 @@ def test_cuda_draws_follow_the_distribution(params, expected, seeded):
     tokens = Sampler()(logits, metadata).sampled_token_ids.cpu()
     freq = torch.bincount(tokens, minlength=len(PROBS)).float() / NUM_DRAWS
     assert (freq - expected).abs().max().item() < TOLERANCE, (freq, expected)
+    assert torch.all(freq[expected == 0] == 0), "a token outside the allowed set was sampled"

@@ -1,0 +1,131 @@
+"""The Triton top-k (novainfer.sample.topk) against a stable descending sort, whose first k entries
+are exactly the k largest values with the lowest ids first among equal ones: the kernel's stated
+order. On a GPU, or on CPU tensors under ``TRITON_INTERPRET=1`` (a small vocabulary cut into
+several chunks with a partial last one).
+
+The sampler uses it on CUDA in place of ``torch.topk``; the GPU test checks that the sampler's
+seeded top-k draws and logprobs then equal the CPU sampler's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
+from novainfer.sample.topk import MAX_K, top_k, top_k_logprobs  # noqa: E402
+from novainfer.sampling_params import SamplingParams  # noqa: E402
+from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
+
+pytestmark = MARKS
+
+VOCAB, BLOCK = (1000, 256) if INTERPRET else (151_936, 4096)
+
+
+def rows(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, VOCAB, generator=generator) * 3
+    logits[1] = 0.5  # every value equal: the lowest ids
+    logits[2] = float("-inf")  # fewer finite values than k: the -inf ones by lowest id
+    logits[2, [5, BLOCK + 3, VOCAB - 1]] = torch.tensor([1.0, 2.0, 1.0])
+    logits[3] = torch.randint(0, 4, (VOCAB,), generator=generator).float() - 2  # many ties, both signs
+    logits[4, VOCAB - 7:] = logits[4].max() + 1  # the largest values in the partial last chunk
+    return logits.to(dtype)
+
+
+def expected(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids = logits.float().sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids[:, :k]
+
+
+@pytest.mark.parametrize("dtype, k", [(dtype, k) for dtype in dict.fromkeys([torch.float32, *DTYPES])
+                                      for k in (1, 5, 50)] + [(torch.float32, MAX_K)])
+def test_top_k_equals_the_first_k_of_a_stable_descending_sort(dtype, k):
+    logits = rows(dtype, k)
+    values, ids = top_k(logits.to(DEVICE), k, block=BLOCK)
+    assert values.dtype == torch.float32 and ids.dtype == torch.int64 and values.shape == ids.shape == (6, k)
+    want_values, want_ids = expected(logits, k)
+    assert torch.equal(values.cpu(), want_values)
+    assert torch.equal(ids.cpu(), want_ids)
+
+
+def test_chunks_whose_candidates_overflow_sort_the_whole_chunk():
+    """Each chunk keeps the keys at or above the k-th largest maximum of its strided groups; here
+    the large values sit in few groups (ids below 16 modulo 64, each group's values apart from the
+    others'), so far more keys pass than the candidate buffer holds and the chunk is sorted whole."""
+    ids = torch.arange(VOCAB)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)) - 10
+    large = (ids % 64) < 16
+    logits[:, large] = 10 + (ids[large] % 64).float() + ids[large].float() * 1e-4
+    values, got = top_k(logits.to(DEVICE), 5, block=1024)
+    want_values, want_ids = expected(logits, 5)
+    assert torch.equal(got.cpu(), want_ids) and torch.equal(values.cpu(), want_values)
+
+
+def test_rows_with_a_stride():
+    wide = rows(torch.float32, 1)
+    padded = torch.cat([wide, torch.zeros(6, 24)], dim=1)[:, :VOCAB]
+    values, ids = top_k(padded.to(DEVICE), 7, block=BLOCK)
+    assert torch.equal(ids.cpu(), expected(wide, 7)[1])
+
+
+@pytest.mark.parametrize("k", [0, MAX_K + 1])
+def test_k_out_of_range_raises(k):
+    with pytest.raises(ValueError, match="k must be in"):
+        top_k(torch.zeros(2, VOCAB, device=DEVICE), k)
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 5])
+@pytest.mark.parametrize("lse_given", [False, True], ids=["lse_computed", "lse_given"])
+def test_logprobs_mode_gives_the_sampled_and_top_logprobs_and_ranks(num_logprobs, lse_given):
+    """Oracles: the first n of a stable descending sort, ``torch.logsumexp`` of the logits (within
+    1e-5: float32 sums in another order), ranks counted with ``>`` over the whole row."""
+    logits = rows(torch.float16, 4)
+    exact = logits.float()
+    top_ids = exact.sort(dim=-1, descending=True, stable=True).indices
+    # A top token, a tied one (row 1, every value equal), a -inf one (row 2), one outside the top
+    # (row 3's values take four levels, about VOCAB / 4 tokens each: halfway down the sort is below
+    # the top level for any vocabulary), the last id, -inf.
+    sampled = torch.stack([top_ids[0, 0], top_ids[1, 9], top_ids[2, 2], top_ids[3, VOCAB // 2], top_ids[4, VOCAB - 1],
+                           torch.tensor(VOCAB - 1)])
+    lse = torch.logsumexp(exact, dim=-1)
+    ids, logprobs, ranks = top_k_logprobs(logits.to(DEVICE), sampled.to(DEVICE), num_logprobs,
+                                          lse.to(DEVICE) if lse_given else None, block=BLOCK)
+    want_ids = torch.cat([sampled.unsqueeze(1), top_ids[:, :num_logprobs]], dim=1)
+    assert ids.dtype == ranks.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(logprobs.cpu(), exact.gather(1, want_ids) - lse.unsqueeze(1), rtol=0, atol=1e-5)
+    want_ranks = (exact > exact.gather(1, sampled.unsqueeze(1))).sum(dim=-1) + 1
+    assert ranks.cpu().tolist() == want_ranks.tolist()
+    # The data cover the cases above: the tied token shares the best rank, row 3's is outside the top.
+    assert want_ranks[1].item() == 1 and want_ranks[3].item() > 5
+
+
+# ---------------------------------------------------------------- the sampler's CUDA path (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("penalty", [1.0, 1.2], ids=["raw_logits", "penalized_float32"])
+def test_cuda_top_k_sampler_gives_the_cpu_samplers_seeded_tokens_and_logprobs(penalty):
+    """Seeded top-k rows draw the counter-based noise of their candidates, so both devices pick the
+    same token wherever they have the same candidates; the logits are distinct (no tie at the k-th
+    place), so they do."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, VOCAB, generator=generator).mul(4)
+    distinct = logits.sort(dim=-1, descending=True).values[:, :MAX_K + 1]
+    assert bool((distinct[:, :-1] != distinct[:, 1:]).all())
+    ks = [1, 5, 20, 50, 64, 100, MAX_K]
+    params = [SamplingParams(temperature=0.9, top_k=ks[i % len(ks)], top_p=(0.8, 1.0)[i % 2], seed=i,
+                             repetition_penalty=penalty, logprobs=(3, 20)[i % 2]) for i in range(64)]
+    prompts = [torch.randint(0, VOCAB, (30,), generator=generator).tolist() for _ in params]
+    results = {}
+    for device in ("cpu", "cuda"):
+        metadata = SamplingMetadata.from_requests(params, [[]] * len(params), prompts, device, VOCAB)
+        results[device] = Sampler()(logits.to(device), metadata)
+    cpu, cuda = results["cpu"], results["cuda"]
+    assert cuda.sampled_token_ids.tolist() == cpu.sampled_token_ids.tolist()
+    assert cuda.logprobs.token_ids.tolist() == cpu.logprobs.token_ids.tolist()
+    assert cuda.logprobs.sampled_token_ranks.tolist() == cpu.logprobs.sampled_token_ranks.tolist()
+    torch.testing.assert_close(cuda.logprobs.logprobs.cpu(), cpu.logprobs.logprobs, rtol=0, atol=5e-5)
