@@ -240,8 +240,8 @@ def draw_candidates(values: torch.Tensor, ids: torch.Tensor, metadata: SamplingM
 
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compiles every variant of the sampler's kernels for logits [B, ``vocab_size``] of ``dtype``: the
-    draw with and without noise and log-sum-exp, the rank count, the top-k of each width and the
-    noise of chosen tokens."""
+    draw with and without noise and log-sum-exp, the top-k of each width with its candidate draw, and
+    the noise of chosen tokens."""
     logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
     one = torch.ones(1, dtype=torch.float32, device=device)
     keys = torch.zeros(1, dtype=torch.int64, device=device)
