@@ -77,10 +77,14 @@ def exponential_noise_triton(keys: torch.Tensor, token_ids: torch.Tensor) -> tor
 
 # The penalty stages are runtime flags, and neither they nor the tables' strides specialize the
 # kernel: one compiled variant per (NOISE, LSE) serves every mix of settings, so start-up compiles
-# all four (warm_up) and no request's first penalty pays for a compile.
+# all four (warm_up) and no request's first penalty pays for a compile. The per-row parameters are
+# columns of the sampling state's parameter table, whose byte offsets (e.g. 20 for the repetition
+# penalty) are not 16-byte aligned where warm-up's tensors are: their pointers are not specialized
+# on alignment either (each program reads one value of each).
 @triton.jit(do_not_specialize=["stride_temperature", "use_stop", "stride_stop", "use_repetition", "stride_repetition",
                                "stride_seen", "use_frequency", "stride_frequency", "use_presence", "stride_presence",
-                               "stride_counts"])
+                               "stride_counts"],
+            do_not_specialize_on_alignment=["temperature_ptr", "repetition_ptr", "frequency_ptr", "presence_ptr"])
 def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
                  temperature_ptr, stride_temperature, greedy_ptr, keys_ptr,
                  use_stop, stop_ptr, stride_stop, use_repetition, repetition_ptr, stride_repetition, seen_ptr,
@@ -238,17 +242,25 @@ def draw_candidates(values: torch.Tensor, ids: torch.Tensor, metadata: SamplingM
     return tokens
 
 
-def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compiles every variant of the sampler's kernels for logits [B, ``vocab_size``] of ``dtype``: the
-    draw with and without noise and log-sum-exp, the top-k of each width with its candidate draw, and
-    the noise of chosen tokens."""
-    logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
+def warm_up_draw(logits: torch.Tensor) -> torch.Tensor:
+    """Launches the whole-vocabulary draw in each of its four variants on ``logits`` [1, V]; returns
+    the int64 noise key it used."""
+    device = logits.device
     one = torch.ones(1, dtype=torch.float32, device=device)
     keys = torch.zeros(1, dtype=torch.int64, device=device)
     greedy = torch.zeros(1, dtype=torch.uint8, device=device)
     for noise in (None, keys):
         for with_lse in (False, True):
             _draw(logits, one, greedy, noise, None, None, one, None, None, None, with_lse, 4096)
+    return keys
+
+
+def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compiles every variant of the sampler's kernels for logits [B, ``vocab_size``] of ``dtype``: the
+    draw with and without noise and log-sum-exp, the top-k of each width with its candidate draw, and
+    the noise of chosen tokens."""
+    logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
+    keys = warm_up_draw(logits)
     # Top-k candidates read the raw logits, or float32 ones where penalties or min_tokens apply;
     # every width a k <= V can take.
     for width in {min(width, vocab_size) for width in topk.WIDTHS}:
