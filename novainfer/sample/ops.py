@@ -185,6 +185,76 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     return tokens, lse if with_lse else None
 
 
+@triton.jit(do_not_specialize=["stride_logits", "vocab_size", "stride_temperature", "stride_top_p", "stride_min_p"],
+            do_not_specialize_on_alignment=["temperature_ptr", "top_p_ptr", "min_p_ptr"])
+def _nucleus_kernel(logits_ptr, stride_logits, vocab_size, temperature_ptr, stride_temperature, top_p_ptr,
+                    stride_top_p, min_p_ptr, stride_min_p, greedy_ptr, keys_ptr, tokens_ptr, BLOCK: tl.constexpr):
+    """Turns a row's whole-vocabulary draw (in ``tokens_ptr``) into its draw from the top-p and min-p
+    set N, in passes over the row: the token is kept if N holds it, else replaced by the best-scored
+    token ranked before it (the next pass checks that one). N is the prefix of the row's tokens in
+    descending order, so the token ends as the argmax of the same scores over N, which is the
+    exponential race restricted to N (the sorting torch path's token)."""
+    row = tl.program_id(0).to(tl.int64)
+    top_p = tl.load(top_p_ptr + row * stride_top_p)
+    min_p = tl.load(min_p_ptr + row * stride_min_p)
+    done = (tl.load(greedy_ptr + row) != 0) | ((top_p >= 1.0) & (min_p <= 0.0))
+    base = logits_ptr + row * stride_logits
+    temperature = tl.load(temperature_ptr + row * stride_temperature)
+    key = tl.load(keys_ptr + row).to(tl.int64)
+    token = tl.load(tokens_ptr + row)
+    while not done:
+        # The token's rank key: tokens before it have a larger scaled logit, or an equal one at a
+        # lower id (the stable descending sort of the torch path).
+        token_logit = tl.math.div_rn(tl.load(base + token).to(tl.float32), temperature)
+        row_max = float("-inf")
+        total = 0.0  # sum of exp(logit - row_max) over the row
+        before = 0.0  # the same over the tokens ranked before the token
+        best_score = float("-inf")
+        best = token
+        for start in range(0, vocab_size, BLOCK):
+            cols = start + tl.arange(0, BLOCK).to(tl.int64)
+            y = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            y = tl.math.div_rn(y, temperature)
+            new_max = tl.maximum(row_max, tl.max(y, axis=0))
+            rescale = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - new_max))
+            weights = tl.where(y > float("-inf"), tl.exp(y - new_max), 0.0)
+            ahead = (y > token_logit) | ((y == token_logit) & (cols < token))
+            total = total * rescale + tl.sum(weights, axis=0)
+            before = before * rescale + tl.sum(tl.where(ahead, weights, 0.0), axis=0)
+            row_max = new_max
+            score = tl.where(ahead, y - tl.log(_exponential(key, cols)), float("-inf"))
+            chunk_best, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            # Strictly better only: among equal scores the earlier chunk's (lower) id stays.
+            best = tl.where(chunk_best > best_score, start + index, best)
+            best_score = tl.maximum(best_score, chunk_best)
+        # sampler.mask_sorted_top_k_top_p drops a token whose mass before it reaches top_p, and
+        # apply_min_p one below min_p times the top probability (exp(0) / total).
+        in_top_p = (top_p >= 1.0) | (tl.math.div_rn(before, total) < top_p)
+        in_min_p = tl.exp(token_logit - row_max) >= min_p
+        done = in_top_p & in_min_p
+        token = tl.where(done, token, best)
+    tl.store(tokens_ptr + row, token)
+
+
+def draw_nucleus(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor,
+                 block: int = 4096) -> torch.Tensor:
+    """One token [B] int64 per row of ``logits`` [B, V] (any float dtype; min_tokens and penalties
+    already applied), for steps where no random row has a top-k: greedy rows take the argmax, the
+    others draw from softmax(logits / temperature) cut to their top-p and min-p with the Exp(1)
+    noise of their row's ``keys`` entry, without sorting the vocabulary: the whole-vocabulary draw,
+    then :func:`_nucleus_kernel`'s passes over each row that has a top-p or min-p. A pass keeps a
+    top-p row's token with probability at least top_p (the set's share of the tokens that could
+    have been drawn), so such a row takes at most 1 / top_p passes on average."""
+    greedy = metadata.is_greedy.contiguous().view(torch.uint8)
+    tokens, _ = _draw(logits, metadata.temperature, greedy, keys, None, None, metadata.repetition_penalties, None,
+                      None, None, False, block)
+    _nucleus_kernel[(logits.shape[0],)](
+        logits, logits.stride(0), logits.shape[1], metadata.temperature, metadata.temperature.stride(0),
+        metadata.top_p, metadata.top_p.stride(0), metadata.min_p, metadata.min_p.stride(0), greedy, keys, tokens,
+        BLOCK=block, num_warps=8)
+    return tokens
+
+
 @triton.jit
 def _softmax(x):
     e = tl.exp(x - tl.max(x, axis=0))
@@ -257,10 +327,14 @@ def warm_up_draw(logits: torch.Tensor) -> torch.Tensor:
 
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compiles every variant of the sampler's kernels for logits [B, ``vocab_size``] of ``dtype``: the
-    draw with and without noise and log-sum-exp, the top-k of each width with its candidate draw, and
-    the noise of chosen tokens."""
+    draw with and without noise and log-sum-exp, the top-p / min-p passes, the top-k of each width
+    with its candidate draw, and the noise of chosen tokens."""
     logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
     keys = warm_up_draw(logits)
+    top_p = SamplingMetadata.from_requests([SamplingParams(temperature=1.0, top_p=0.5)], [[]], [[]], device,
+                                           vocab_size)
+    for nucleus_dtype in {dtype, torch.float32}:  # raw logits, or float32 where penalties apply
+        draw_nucleus(logits.to(nucleus_dtype), top_p, keys)
     # Top-k candidates read the raw logits, or float32 ones where penalties or min_tokens apply;
     # every width a k <= V can take.
     for width in {min(width, vocab_size) for width in topk.WIDTHS}:

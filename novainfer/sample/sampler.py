@@ -7,8 +7,11 @@ CUDA, Triton kernels (novainfer.sample.ops, novainfer.sample.topk) replace them
 with the same noise for seeded rows, and so the same tokens: a step whose random
 rows draw from the whole vocabulary (no top-k, top-p or min-p) runs in one fused
 pass; one whose random rows all have a top-k (up to 128) draws from each row's
-candidates of a Triton top-k; other steps (top-p or min-p without a top-k) take
-the torch stages, sorting the vocabulary; logprobs come from the top-k's pass.
+candidates of a Triton top-k; one where no random row has a top-k draws from the
+whole vocabulary and then checks the token against each row's top-p and min-p in
+passes over the row, replacing it until the set holds it (no sort); other steps
+(some rows with a top-k, some without) take the torch stages, sorting the
+vocabulary; logprobs come from the top-k's pass.
 Logprobs are the raw logits minus their log-sum-exp, never a [B, V] log_softmax.
 """
 
@@ -275,6 +278,11 @@ class Sampler(nn.Module):
                 # below do in about twenty.
                 values, ids = top_k(logits, num_candidates)
                 return draw_candidates(values, ids, metadata, step_noise_keys(metadata))
+        if logits.is_cuda and metadata.no_top_k:
+            from novainfer.sample.ops import draw_nucleus
+
+            # Top-p and min-p without sorting the vocabulary: a draw, then passes that check it.
+            return draw_nucleus(logits, metadata, step_noise_keys(metadata))
         # Logits in any float dtype: argmax and top-k read them as they are (a float32 copy of the
         # whole vocabulary would be a pass of its own), the arithmetic is float32.
         greedy = None if metadata.all_random else logits.argmax(dim=-1)

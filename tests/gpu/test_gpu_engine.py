@@ -206,7 +206,8 @@ SAMPLING_SETTINGS = [
     dict(temperature=0), dict(temperature=0.8), dict(temperature=0.8, seed=3), dict(temperature=0, logprobs=3),
     dict(temperature=0.7, top_k=20, top_p=0.9), dict(temperature=0.7, top_k=20, seed=4),
     dict(temperature=0.8, repetition_penalty=1.2), dict(temperature=0, frequency_penalty=0.5, presence_penalty=0.3),
-    dict(temperature=0.9, min_tokens=4, logprobs=2),
+    dict(temperature=0.9, min_tokens=4, logprobs=2), dict(temperature=0.8, top_p=0.9),
+    dict(temperature=0.9, min_p=0.1, seed=5), dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
 ]
 
 

@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("triton")
 
 from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
-from novainfer.sample.ops import draw_candidates, draw_whole_vocabulary  # noqa: E402
+from novainfer.sample.ops import draw_candidates, draw_nucleus, draw_whole_vocabulary  # noqa: E402
 from novainfer.sample.rng import exponential_noise_torch  # noqa: E402
 from novainfer.sample.sampler import (  # noqa: E402
     _min_p_probs, apply_penalties_and_min_tokens, mask_sorted_top_k_top_p, random_sample, sampling_probs)
@@ -151,6 +151,48 @@ def test_candidate_draw_equals_the_torch_stages_for_the_same_noise(seed):
     assert tokens[[0, 5, 7]].tolist() == [3, ids[5, 0].item(), ids[7, 0].item()]
 
 
+NUCLEUS_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=1.0, top_p=0.5, seed=3),
+    SamplingParams(temperature=1.2, min_p=0.1),
+    SamplingParams(temperature=0.7, top_p=0.95, min_p=0.05, seed=4),
+    SamplingParams(temperature=1.0),  # no cut: the whole-vocabulary draw stands
+    SamplingParams(temperature=1.0, top_p=1e-6),  # the top token only
+    SamplingParams(temperature=0.9, top_p=0.5),  # three equal maxima: the two lowest ids are kept
+    SamplingParams(temperature=1.1, top_p=0.8, repetition_penalty=1.3, min_tokens=3, stop_token_ids=STOP_IDS),
+    SamplingParams(temperature=2.0, top_p=0.3, min_p=0.9),  # flat: many passes
+]
+TIED = [2, BLOCK + 1, VOCAB - 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
+@pytest.mark.parametrize("seed", range(3))
+def test_nucleus_draw_equals_the_torch_stages_for_the_same_noise(dtype, seed):
+    """Oracle: the torch path's token (penalties, then top-p and min-p masks on the sorted
+    vocabulary and the exponential race) for the same noise."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(NUCLEUS_PARAMS)
+    logits = torch.randn(rows, VOCAB, generator=generator) * 3
+    logits[6, 17] = logits[6].max() + 0.01  # the top token of the top-p 1e-6 row
+    logits[7] = -5.0
+    logits[7, TIED] = 5.0
+    logits[9] = torch.randn(VOCAB, generator=generator) * 0.1
+    prompts = [torch.randint(0, VOCAB, (30,), generator=generator).tolist() for _ in range(rows)]
+    outputs = [torch.randint(0, 60, (2,), generator=generator).tolist() for _ in range(rows)]
+    logits = logits.to(dtype).to(DEVICE)
+    # Without penalties the kernel reads the logits in their own dtype; with them, float32 ones.
+    without_penalties = [*NUCLEUS_PARAMS[:8], SamplingParams(temperature=1.1, top_p=0.8), NUCLEUS_PARAMS[9]]
+    for params in (NUCLEUS_PARAMS, without_penalties):
+        metadata = SamplingMetadata.from_requests(params, outputs, prompts, DEVICE, VOCAB)
+        for step in range(4):
+            keys = step_keys(metadata, 10 * seed + step)
+            tokens = draw_nucleus(apply_penalties_and_min_tokens(logits, metadata), metadata, keys, block=BLOCK)
+            assert tokens.tolist() == torch_draw(logits, metadata, keys).tolist()
+            assert tokens[6].item() == 17 and tokens[7].item() in TIED[:2]
+            assert params[8].min_tokens == 0 or tokens[8].item() not in STOP_IDS
+
+
 # ---------------------------------------------------------------- the sampler's CUDA path (GPU)
 
 
@@ -187,10 +229,12 @@ def test_cuda_sampler_gives_the_cpu_samplers_seeded_and_greedy_tokens_and_logpro
     (SamplingParams(temperature=1.0), PROBS),
     (SamplingParams(temperature=0.5), TEMPERED),
     (SamplingParams(top_k=2), renormalized([1, 1, 0, 0, 0])),  # the top-k candidates' draw
-    (SamplingParams(top_p=0.8), renormalized([1, 1, 1, 0, 0])),  # top-p alone: the sort path
+    (SamplingParams(top_p=0.8), renormalized([1, 1, 1, 0, 0])),  # top-p alone: the checking passes
+    (SamplingParams(min_p=0.25), renormalized([1, 1, 1, 0, 0])),  # 0.15 >= 0.25 * 0.5 > 0.07
     (SamplingParams(temperature=0.5, top_p=0.85), renormalized([1, 1, 0, 0, 0], TEMPERED)),
     (SamplingParams(top_k=4, top_p=0.8), renormalized([1, 1, 1, 0, 0])),
-], ids=["temperature1", "temperature0.5", "top_k2", "top_p0.8", "temp_then_top_p", "top_k4_top_p0.8"])
+], ids=["temperature1", "temperature0.5", "top_k2", "top_p0.8", "min_p0.25", "temp_then_top_p",
+                        "top_k4_top_p0.8"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["step_keys", "seeded"])
 def test_cuda_draws_follow_the_distribution(params, expected, seeded):
     torch.manual_seed(6)
