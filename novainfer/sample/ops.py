@@ -185,15 +185,21 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     return tokens, lse if with_lse else None
 
 
+@triton.jit
+def _scaled_logits(base, cols, vocab_size, temperature):
+    y = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+    return tl.math.div_rn(y, temperature)  # IEEE division, as the torch path's logits / temperature
+
+
 @triton.jit(do_not_specialize=["stride_logits", "vocab_size", "stride_temperature", "stride_top_p", "stride_min_p"],
             do_not_specialize_on_alignment=["temperature_ptr", "top_p_ptr", "min_p_ptr"])
 def _nucleus_kernel(logits_ptr, stride_logits, vocab_size, temperature_ptr, stride_temperature, top_p_ptr,
                     stride_top_p, min_p_ptr, stride_min_p, greedy_ptr, keys_ptr, tokens_ptr, BLOCK: tl.constexpr):
-    """Turns a row's whole-vocabulary draw (in ``tokens_ptr``) into its draw from the top-p and min-p
+    """Turns a row's whole-vocabulary draw (in ``tokens_ptr``) into its draw from its top-p and min-p
     set N, in passes over the row: the token is kept if N holds it, else replaced by the best-scored
-    token ranked before it (the next pass checks that one). N is the prefix of the row's tokens in
-    descending order, so the token ends as the argmax of the same scores over N, which is the
-    exponential race restricted to N (the sorting torch path's token)."""
+    token ranked before it within the min-p set (the next pass checks that one against the top-p).
+    N is a prefix of the row's tokens in descending order, so the token ends as the argmax of the
+    same scores over N: the exponential race restricted to N, the sorting torch path's token."""
     row = tl.program_id(0).to(tl.int64)
     top_p = tl.load(top_p_ptr + row * stride_top_p)
     min_p = tl.load(min_p_ptr + row * stride_min_p)
@@ -202,37 +208,45 @@ def _nucleus_kernel(logits_ptr, stride_logits, vocab_size, temperature_ptr, stri
     temperature = tl.load(temperature_ptr + row * stride_temperature)
     key = tl.load(keys_ptr + row).to(tl.int64)
     token = tl.load(tokens_ptr + row)
+    # The min-p set (apply_min_p: a probability at least min_p times the top one, exp(0) / total)
+    # needs the row's largest logit first: a pass of its own.
+    row_max = float("-inf")
+    if (not done) & (min_p > 0.0):
+        for start in range(0, vocab_size, BLOCK):
+            cols = start + tl.arange(0, BLOCK).to(tl.int64)
+            row_max = tl.maximum(row_max, tl.max(_scaled_logits(base, cols, vocab_size, temperature), axis=0))
     while not done:
-        # The token's rank key: tokens before it have a larger scaled logit, or an equal one at a
-        # lower id (the stable descending sort of the torch path).
-        token_logit = tl.math.div_rn(tl.load(base + token).to(tl.float32), temperature)
-        row_max = float("-inf")
+        # Tokens ranked before the token have a larger scaled logit, or an equal one at a lower id
+        # (the stable descending sort of the torch path).
+        token_logit = _scaled_logits(base, token, vocab_size, temperature)
         total = 0.0  # sum of exp(logit - row_max) over the row
         before = 0.0  # the same over the tokens ranked before the token
         best_score = float("-inf")
         best = token
         for start in range(0, vocab_size, BLOCK):
             cols = start + tl.arange(0, BLOCK).to(tl.int64)
-            y = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-            y = tl.math.div_rn(y, temperature)
+            y = _scaled_logits(base, cols, vocab_size, temperature)
+            # Without a min-p, row_max is found here: rescale the sums as it grows.
             new_max = tl.maximum(row_max, tl.max(y, axis=0))
             rescale = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - new_max))
-            weights = tl.where(y > float("-inf"), tl.exp(y - new_max), 0.0)
+            row_max = new_max
+            weights = tl.where(y > float("-inf"), tl.exp(y - row_max), 0.0)
             ahead = (y > token_logit) | ((y == token_logit) & (cols < token))
             total = total * rescale + tl.sum(weights, axis=0)
             before = before * rescale + tl.sum(tl.where(ahead, weights, 0.0), axis=0)
-            row_max = new_max
-            score = tl.where(ahead, y - tl.log(_exponential(key, cols)), float("-inf"))
+            candidate = ahead & (weights >= min_p)  # (always, without a min-p)
+            score = tl.where(candidate, y - tl.log(_exponential(key, cols)), float("-inf"))
             chunk_best, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
             # Strictly better only: among equal scores the earlier chunk's (lower) id stays.
             best = tl.where(chunk_best > best_score, start + index, best)
             best_score = tl.maximum(best_score, chunk_best)
-        # sampler.mask_sorted_top_k_top_p drops a token whose mass before it reaches top_p, and
-        # apply_min_p one below min_p times the top probability (exp(0) / total).
+        # sampler.mask_sorted_top_k_top_p drops a token whose mass before it reaches top_p.
         in_top_p = (top_p >= 1.0) | (tl.math.div_rn(before, total) < top_p)
         in_min_p = tl.exp(token_logit - row_max) >= min_p
-        done = in_top_p & in_min_p
-        token = tl.where(done, token, best)
+        keep = in_top_p & in_min_p
+        token = tl.where(keep, token, best)
+        # Without a top-p, the best of the min-p set needs no check.
+        done = keep | (top_p >= 1.0)
     tl.store(tokens_ptr + row, token)
 
 

@@ -162,6 +162,7 @@ NUCLEUS_PARAMS = [
     SamplingParams(temperature=0.9, top_p=0.5),  # three equal maxima: the two lowest ids are kept
     SamplingParams(temperature=1.1, top_p=0.8, repetition_penalty=1.3, min_tokens=3, stop_token_ids=STOP_IDS),
     SamplingParams(temperature=2.0, top_p=0.3, min_p=0.9),  # flat: many passes
+    SamplingParams(temperature=1.0, min_p=0.5, seed=5),  # flat: the min-p set at once
 ]
 TIED = [2, BLOCK + 1, VOCAB - 2]
 
@@ -175,14 +176,14 @@ def test_nucleus_draw_equals_the_torch_stages_for_the_same_noise(dtype, seed):
     rows = len(NUCLEUS_PARAMS)
     logits = torch.randn(rows, VOCAB, generator=generator) * 3
     logits[6, 17] = logits[6].max() + 0.01  # the top token of the top-p 1e-6 row
-    logits[7] = -5.0
+    logits[7] = -30.0
     logits[7, TIED] = 5.0
-    logits[9] = torch.randn(VOCAB, generator=generator) * 0.1
+    logits[9:] = torch.randn(2, VOCAB, generator=generator) * 0.1
     prompts = [torch.randint(0, VOCAB, (30,), generator=generator).tolist() for _ in range(rows)]
     outputs = [torch.randint(0, 60, (2,), generator=generator).tolist() for _ in range(rows)]
     logits = logits.to(dtype).to(DEVICE)
     # Without penalties the kernel reads the logits in their own dtype; with them, float32 ones.
-    without_penalties = [*NUCLEUS_PARAMS[:8], SamplingParams(temperature=1.1, top_p=0.8), NUCLEUS_PARAMS[9]]
+    without_penalties = [*NUCLEUS_PARAMS[:8], SamplingParams(temperature=1.1, top_p=0.8), *NUCLEUS_PARAMS[9:]]
     for params in (NUCLEUS_PARAMS, without_penalties):
         metadata = SamplingMetadata.from_requests(params, outputs, prompts, DEVICE, VOCAB)
         for step in range(4):
