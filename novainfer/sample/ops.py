@@ -12,6 +12,11 @@ applies the step's min_tokens mask and penalties (the same float operations, in 
 token; with logprobs it also reduces the raw logits to the chunk's (max, sum of exp). The torch
 path instead runs about ten float32 passes (softmax, noise, division, argmax, each penalty).
 
+The nucleus draw (:func:`draw_nucleus`) serves steps where no random row has a top-k but some have
+a top-p or min-p: the whole-vocabulary draw, then one program per such row checks the drawn token
+against the row's set in a pass over the row and, where the set does not hold it, takes the
+best-scored token ranked before it, until one is held (no sort of the vocabulary).
+
 The candidate draw (:func:`draw_candidates`) serves steps whose random rows all have a top-k: one
 program per row samples among the row's top-k candidates (:mod:`novainfer.sample.topk`), with its
 top-p and min-p, in one launch where the torch stages take about twenty small ones.
@@ -250,8 +255,8 @@ def _nucleus_kernel(logits_ptr, stride_logits, vocab_size, temperature_ptr, stri
     tl.store(tokens_ptr + row, token)
 
 
-def draw_nucleus(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor,
-                 block: int = 4096) -> torch.Tensor:
+def draw_nucleus(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor, block: int = 4096,
+                 pass_block: int = 8192) -> torch.Tensor:
     """One token [B] int64 per row of ``logits`` [B, V] (any float dtype; min_tokens and penalties
     already applied), for steps where no random row has a top-k: greedy rows take the argmax, the
     others draw from softmax(logits / temperature) cut to their top-p and min-p with the Exp(1)
@@ -265,7 +270,9 @@ def draw_nucleus(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.T
     _nucleus_kernel[(logits.shape[0],)](
         logits, logits.stride(0), logits.shape[1], metadata.temperature, metadata.temperature.stride(0),
         metadata.top_p, metadata.top_p.stride(0), metadata.min_p, metadata.min_p.stride(0), greedy, keys, tokens,
-        BLOCK=block, num_warps=8)
+        # One program walks a whole row: wide chunks keep more of it in flight (8,192 logits on 16
+        # warps took 0.50 ms at batch 256 on an H200, 4,096 on 8 warps 0.65 ms).
+        BLOCK=pass_block, num_warps=max(1, min(16, pass_block // 512)))
     return tokens
 
 

@@ -188,7 +188,8 @@ def test_nucleus_draw_equals_the_torch_stages_for_the_same_noise(dtype, seed):
         metadata = SamplingMetadata.from_requests(params, outputs, prompts, DEVICE, VOCAB)
         for step in range(4):
             keys = step_keys(metadata, 10 * seed + step)
-            tokens = draw_nucleus(apply_penalties_and_min_tokens(logits, metadata), metadata, keys, block=BLOCK)
+            tokens = draw_nucleus(apply_penalties_and_min_tokens(logits, metadata), metadata, keys, block=BLOCK,
+                                  pass_block=BLOCK)
             assert tokens.tolist() == torch_draw(logits, metadata, keys).tolist()
             assert tokens[6].item() == 17 and tokens[7].item() in TIED[:2]
             assert params[8].min_tokens == 0 or tokens[8].item() not in STOP_IDS
