@@ -357,6 +357,76 @@ def test_serve_exits_nonzero_when_a_model_cannot_load(tmp_path):
     assert "config.json" in proc.stderr and "Traceback" not in proc.stderr.split("loading the models failed")[0]
 
 
+class RecordingTokenizer:
+    """A tokenizer whose batch calls are recorded; the first one waits for ``release`` (so that
+    later requests queue up behind it). A text holding "bad" cannot be encoded."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.release = threading.Event()
+
+    def __call__(self, texts: list[str], add_special_tokens: bool, return_attention_mask: bool) -> dict:
+        assert add_special_tokens is False and return_attention_mask is False
+        self.batches.append(list(texts))
+        if len(self.batches) == 1:
+            assert self.release.wait(10)
+        if any("bad" in t for t in texts):
+            raise ValueError("cannot encode")
+        return {"input_ids": [[len(t), ord(t[0])] for t in texts]}
+
+
+def test_long_texts_waiting_for_the_tokenizer_thread_are_encoded_in_one_batch_call():
+    """Oracle: each request's ids are its own texts' (the batch is split back in order), requests
+    that arrive while the thread is busy share its next call, and a text the tokenizer refuses
+    fails only its own request."""
+    tokenizer = RecordingTokenizer()
+    model = ServedModel("m", engine=None, tokenizer=tokenizer, max_model_len=8, vocab_size=8)
+    long = lambda c, extra=0: c * (INLINE_TOKENIZER_SIZE + 1 + extra)  # noqa: E731
+
+    async def main():
+        first = asyncio.ensure_future(model.encode([long("a")]))
+        await asyncio.sleep(0.05)  # the thread is now inside the first call
+        later = [asyncio.ensure_future(model.encode(texts)) for texts in
+                 ([long("b"), long("c", 1)], [long("d")], ["e", long("f", 2)])]
+        await asyncio.sleep(0.05)
+        tokenizer.release.set()
+        results = await asyncio.gather(first, *later)
+        # A refused text: the batch fails, then each request is encoded alone.
+        bad, good = model.encode([long("bad")]), model.encode([long("g")])
+        return results, await asyncio.gather(bad, good, return_exceptions=True)
+
+    try:
+        results, (bad, good) = asyncio.run(main())
+    finally:
+        model.tokenizer_thread.shutdown()
+    n = INLINE_TOKENIZER_SIZE + 1
+    assert results == [[[n, ord("a")]], [[n, ord("b")], [n + 1, ord("c")]], [[n, ord("d")]],
+                       [[1, ord("e")], [n + 2, ord("f")]]]
+    assert [len(batch) for batch in tokenizer.batches[:2]] == [1, 5]  # three requests, one call
+    assert isinstance(bad, ValueError) and good == [[n, ord("g")]]
+
+
+def test_batched_encoding_gives_the_ids_of_encode():
+    """Oracle: the Qwen2 tokenizer's own ``encode`` of each text (special-token text parsed as
+    special tokens, none added), against the batch call the tokenizer thread makes."""
+    from tests._tokenizers import load_qwen2_tokenizer
+
+    tokenizer = load_qwen2_tokenizer()
+    model = ServedModel("m", engine=None, tokenizer=tokenizer, max_model_len=8, vocab_size=8)
+    texts = ["Hello, world!", "<|im_start|>user\nnaïve café 東京 🙂<|im_end|>", " leading space",
+             "x " * INLINE_TOKENIZER_SIZE, "line\n\n\ttab " * 700]
+
+    async def main():
+        return await asyncio.gather(model.encode(texts[:3]), model.encode(texts[3:]))
+
+    try:
+        short, long = asyncio.run(main())
+    finally:
+        model.tokenizer_thread.shutdown()
+    assert short + long == [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") in short[1]
+
+
 def test_small_tokenizer_work_runs_on_the_loop_and_long_work_on_the_tokenizer_thread():
     """A short prompt is encoded at once (a hand-off to a thread waits for the GIL behind the busy
     loop); a long one goes to the tokenizer thread so that the loop keeps serving streams."""

@@ -34,7 +34,7 @@ from novainfer.entrypoints.openai.protocol import ChatCompletionRequest, ChatCom
     HealthResponse, ModelCard, ModelList, SessionCreateRequest, SessionDeleted, SessionDetail, SessionInfo, \
     SessionList, TokenizeRequest, TokenizeResponse, VersionResponse
 from novainfer.entrypoints.openai.served_models import ModelRegistry
-from novainfer.entrypoints.openai.serving_chat import ChatHandler, messages_chars, plain_messages, render_chat
+from novainfer.entrypoints.openai.serving_chat import ChatHandler, messages_chars, plain_messages, tokenize_chat
 from novainfer.entrypoints.openai.serving_common import ServerContext, check_before_tokenizing, principal_of
 from novainfer.entrypoints.openai.serving_completion import CompletionHandler
 from novainfer.entrypoints.openai.sessions import Session, SessionStore
@@ -123,8 +123,8 @@ def _routes() -> APIRouter:
             messages = plain_messages(body.messages)
             chars = messages_chars(messages)
             check_before_tokenizing(chars, None, model.max_model_len, "messages")
-            tokens = await model.run_tokenizer(render_chat, model, messages, body.add_generation_prompt,
-                                               body.allow_special_tokens_in_content, size=chars)
+            tokens = await tokenize_chat(model, messages, body.add_generation_prompt,
+                                         body.allow_special_tokens_in_content)
         else:
             check_before_tokenizing(len(body.prompt), None, model.max_model_len, "prompt")
             tokens = await model.run_tokenizer(model.tokenizer.encode, body.prompt, size=len(body.prompt),

@@ -54,6 +54,11 @@ class ServedModel:
     # requests wait.
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="novainfer-tokenizer"))
+    # Texts waiting for the tokenizer thread's next batch (see encode), and whether a drain of them
+    # is queued or running there.
+    _encode_jobs: list[tuple[list[str], asyncio.Future]] = field(default_factory=list)
+    _encode_lock: threading.Lock = field(default_factory=threading.Lock)
+    _draining: bool = False
 
     async def run_tokenizer(self, fn: Callable[..., T], *args: Any, size: int, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, where ``size`` is the characters it encodes (or tokens it decodes).
@@ -65,6 +70,68 @@ class ServedModel:
             return fn(*args, **kwargs)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_thread, functools.partial(fn, *args, **kwargs))
+
+
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        """The token ids of each text as ``tokenizer.encode(text, add_special_tokens=False)`` gives them.
+        Small work runs right here (see :meth:`run_tokenizer`). Longer texts wait for the tokenizer
+        thread, which encodes every text waiting at that moment in one batch call: a fast tokenizer
+        encodes a batch in parallel without holding the GIL, and a burst of requests pays the thread's
+        wait for the GIL once per batch instead of once per request (500 prompts of up to 1,024 words
+        took about 0.4 s to reach the engine one at a time)."""
+        if sum(map(len, texts)) <= INLINE_TOKENIZER_SIZE:
+            return self._encode_batch(texts)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._encode_lock:
+            self._encode_jobs.append((texts, future))
+            start, self._draining = not self._draining, True
+        if start:
+            loop.run_in_executor(self.tokenizer_thread, self._drain_encode_jobs, loop)
+        return await future
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+    def _drain_encode_jobs(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the tokenizer thread: the waiting jobs' texts in one call, until no job waits."""
+        while True:
+            with self._encode_lock:
+                jobs, self._encode_jobs = self._encode_jobs, []
+                if not jobs:
+                    self._draining = False
+                    return
+            results: list[list[list[int]] | BaseException] = []
+            try:
+                ids = self._encode_batch([text for texts, _ in jobs for text in texts])
+                for texts, _ in jobs:
+                    results.append(ids[:len(texts)])
+                    ids = ids[len(texts):]
+            except Exception:
+                # A text the tokenizer refuses fails its own request only.
+                results = [self._encode_alone(texts) for texts, _ in jobs]
+            try:
+                loop.call_soon_threadsafe(_resolve_encode_jobs, [future for _, future in jobs], results)
+            except RuntimeError:  # the loop closed (shutdown): no one waits for these
+                pass
+
+    def _encode_alone(self, texts: list[str]) -> list[list[int]] | BaseException:
+        try:
+            return self._encode_batch(texts)
+        except Exception as exc:
+            return exc
+
+
+def _resolve_encode_jobs(futures: list[asyncio.Future], results: list[list[list[int]] | BaseException]) -> None:
+    for future, result in zip(futures, results):
+        if future.done():  # the request was cancelled (its client went away)
+            continue
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
 class LoadState(enum.Enum):

@@ -43,10 +43,7 @@ def render_chat(model: ServedModel, messages: list[dict[str, str]], add_generati
     with them split as plain text. Messages without such text take the plain path.
     """
     tokenizer = model.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError(f"model '{model.name}' has no chat template; use /v1/completions", param="messages")
-    specials = tuple(tokenizer.added_tokens_encoder)
-    if special_tokens_in_content or not any(sp in m["content"] for m in messages for sp in specials):
+    if is_plain_chat(model, messages, special_tokens_in_content):
         return tokenizer.encode(_apply_template(tokenizer, messages, add_generation_prompt), add_special_tokens=False)
     marks = [f"@@content-{secrets.token_hex(8)}@@" for _ in messages]
     text = _apply_template(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)],
@@ -61,6 +58,26 @@ def render_chat(model: ServedModel, messages: list[dict[str, str]], add_generati
         ids += tokenizer.encode(template_part, add_special_tokens=False)
         ids += tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True)
     return ids + tokenizer.encode(text, add_special_tokens=False)
+
+
+def is_plain_chat(model: ServedModel, messages: list[dict[str, str]], special_tokens_in_content: bool) -> bool:
+    """Whether :func:`render_chat` encodes the rendered template as one text (no content spells a
+    special token, or such text may become one)."""
+    tokenizer = model.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise OpenAIError(f"model '{model.name}' has no chat template; use /v1/completions", param="messages")
+    specials = tuple(tokenizer.added_tokens_encoder)
+    return special_tokens_in_content or not any(sp in m["content"] for m in messages for sp in specials)
+
+
+async def tokenize_chat(model: ServedModel, messages: list[dict[str, str]], add_generation_prompt: bool,
+                        special_tokens_in_content: bool) -> list[int]:
+    """:func:`render_chat`'s token ids; a plain chat's text joins the tokenizer thread's batches."""
+    if is_plain_chat(model, messages, special_tokens_in_content):
+        [ids] = await model.encode([_apply_template(model.tokenizer, messages, add_generation_prompt)])
+        return ids
+    return await model.run_tokenizer(render_chat, model, messages, add_generation_prompt, special_tokens_in_content,
+                                     size=messages_chars(messages))
 
 
 def messages_chars(messages: list[dict[str, str]]) -> int:
@@ -102,8 +119,7 @@ class ChatHandler(GenerationHandler):
         self.messages = history + new_messages
         chars = messages_chars(self.messages)
         check_before_tokenizing(chars, max_tokens, model.max_model_len, "messages")
-        prompt = await model.run_tokenizer(render_chat, model, self.messages, True,
-                                           body.allow_special_tokens_in_content, size=chars)
+        prompt = await tokenize_chat(model, self.messages, True, body.allow_special_tokens_in_content)
         check_lengths(len(prompt), max_tokens, model.max_model_len, "messages")
         return [prompt], sampling_params(body, max_tokens, self.top_logprobs)
 

@@ -34,16 +34,15 @@ def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list
     return list(prompt)
 
 
-def tokenize_prompts(model: ServedModel, prompts: list[str | list[int]]) -> list[list[int]]:
+async def tokenize_prompts(model: ServedModel, prompts: list[str | list[int]]) -> list[list[int]]:
     """Every prompt as token ids. Text is encoded as the engine does: it is the client's own raw
     prompt, so special-token text in it is parsed as special tokens (as vLLM does)."""
-    token_lists = []
-    for p in prompts:
-        ids = model.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+    encoded = iter(await model.encode([p for p in prompts if isinstance(p, str)]))
+    token_lists = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+    for ids in token_lists:
         bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
         if bad is not None:
             raise OpenAIError(f"prompt token ids must be in [0, {model.vocab_size}), got {bad}", param="prompt")
-        token_lists.append(ids)
     return token_lists
 
 
@@ -62,7 +61,7 @@ class CompletionHandler(GenerationHandler):
         raw = split_prompts(body.prompt)
         for p in raw:  # token-id prompts are checked the same way: one id counts as one character
             check_before_tokenizing(len(p), body.max_tokens, model.max_model_len, "prompt")
-        prompts = await model.run_tokenizer(tokenize_prompts, model, raw, size=sum(len(p) for p in raw))
+        prompts = await tokenize_prompts(model, raw)
         for ids in prompts:
             check_lengths(len(ids), body.max_tokens, model.max_model_len, "prompt")
         return prompts, sampling_params(body, body.max_tokens, body.logprobs)
