@@ -126,7 +126,7 @@ def test_top_k_candidates_and_the_full_vocabulary_draw_the_same_seeded_token():
         candidates = table.gather(np.array([0]), np.array([position]))
         assert candidates.max_top_k == 7
         both = table.gather(np.array([0, 1]), np.array([position, position]))
-        assert both.max_top_k is None
+        assert both.max_top_k is None and both.largest_top_k == 7 and candidates.largest_top_k == 7
         token = sampler(logits, candidates).sampled_token_ids.item()
         assert token in logits[0].topk(7).indices.tolist()
         assert sampler(logits.expand(2, -1), both).sampled_token_ids[0].item() == token

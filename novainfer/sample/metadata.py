@@ -34,6 +34,8 @@ class SamplingMetadata:
     # Largest top_k of the random rows when every random row has one: sampling then only looks
     # at each row's top max_top_k candidates instead of sorting the vocabulary. None otherwise.
     max_top_k: int | None
+    # Largest top_k among the random rows that have one; None when none has.
+    largest_top_k: int | None
     # Counter-based noise keys (see novainfer.sample.rng) of this step's draw, [B] int64; None
     # when no random row is seeded.
     noise_keys: torch.Tensor | None

@@ -318,8 +318,9 @@ def draw_candidates(values: torch.Tensor, ids: torch.Tensor, metadata: SamplingM
                     keys: torch.Tensor) -> torch.Tensor:
     """One token [B] int64 per row from its candidates, the ``values`` [B, k] (float32, descending)
     and ``ids`` [B, k] of :func:`novainfer.sample.topk.top_k` over the penalized logits, k the
-    step's ``max_top_k`` (every random row has a top-k <= k): greedy rows take the first candidate,
-    the others draw from softmax(values / temperature) cut to their top-k, top-p and min-p, with
+    step's largest top-k (a row without one draws among the k; the caller replaces its token):
+    greedy rows take the first candidate, the others draw from softmax(values / temperature) cut
+    to their top-k, top-p and min-p, with
     the Exp(1) noise of each candidate's id under their row's ``keys`` entry ([B] int64, see
     :mod:`novainfer.sample.rng`): the tokens of Sampler._sample's torch stages for the same noise."""
     batch_size, num_candidates = values.shape

@@ -7,11 +7,10 @@ CUDA, Triton kernels (novainfer.sample.ops, novainfer.sample.topk) replace them
 with the same noise for seeded rows, and so the same tokens: a step whose random
 rows draw from the whole vocabulary (no top-k, top-p or min-p) runs in one fused
 pass; one whose random rows all have a top-k (up to 128) draws from each row's
-candidates of a Triton top-k; one where no random row has a top-k draws from the
-whole vocabulary and then checks the token against each row's top-p and min-p in
-passes over the row, replacing it until the set holds it (no sort); other steps
-(some rows with a top-k, some without) take the torch stages, sorting the
-vocabulary; logprobs come from the top-k's pass.
+candidates of a Triton top-k; rows without a top-k draw from the whole vocabulary
+and then have the token checked against their top-p and min-p in passes over the
+row, replaced until the set holds it (no sort); only a top-k above 128 takes the
+torch stages, sorting the vocabulary. Logprobs come from the top-k's pass.
 Logprobs are the raw logits minus their log-sum-exp, never a [B, V] log_softmax.
 """
 
@@ -268,21 +267,10 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        if logits.is_cuda and metadata.max_top_k is not None:
-            from novainfer.sample.ops import draw_candidates
-            from novainfer.sample.topk import MAX_K, top_k
-
-            num_candidates = min(metadata.max_top_k, logits.shape[-1])
-            if num_candidates <= MAX_K:
-                # Three Triton launches (the top-k's two and the draw) for what the torch stages
-                # below do in about twenty.
-                values, ids = top_k(logits, num_candidates)
-                return draw_candidates(values, ids, metadata, step_noise_keys(metadata))
-        if logits.is_cuda and metadata.no_top_k:
-            from novainfer.sample.ops import draw_nucleus
-
-            # Top-p and min-p without sorting the vocabulary: a draw, then passes that check it.
-            return draw_nucleus(logits, metadata, step_noise_keys(metadata))
+        if logits.is_cuda:
+            tokens = _sample_with_kernels(logits, metadata)
+            if tokens is not None:
+                return tokens
         # Logits in any float dtype: argmax and top-k read them as they are (a float32 copy of the
         # whole vocabulary would be a pass of its own), the arithmetic is float32.
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
@@ -307,3 +295,25 @@ class Sampler(nn.Module):
         if greedy is None:
             return sampled
         return torch.where(metadata.is_greedy, greedy, sampled)
+
+
+def _sample_with_kernels(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+    """Sampler._sample's tokens from the Triton kernels (CUDA), or None for a step they do not serve
+    (a top-k above novainfer.sample.topk.MAX_K). Rows without a top-k draw from the whole vocabulary
+    and then have their draw checked against their top-p and min-p; rows with one draw among the
+    step's top-k candidates."""
+    from novainfer.sample.ops import draw_candidates, draw_nucleus
+    from novainfer.sample.topk import MAX_K, top_k
+
+    keys = step_noise_keys(metadata)
+    if metadata.no_top_k:
+        return draw_nucleus(logits, metadata, keys)
+    num_candidates = min(metadata.largest_top_k, logits.shape[-1])
+    if num_candidates > MAX_K:
+        return None
+    # Three Triton launches (the top-k's two and the draw) for what the torch stages do in about twenty.
+    values, ids = top_k(logits, num_candidates)
+    tokens = draw_candidates(values, ids, metadata, keys)
+    if metadata.max_top_k is None:  # some random rows have no top-k
+        tokens = torch.where(metadata.top_k < metadata.vocab_size, tokens, draw_nucleus(logits, metadata, keys))
+    return tokens

@@ -249,6 +249,7 @@ class SamplingStateTable:
             no_top_p=bool((self._top_p[rows][random] >= 1.0).all()),
             no_min_p=bool((self._min_p[rows][random] <= 0.0).all()),
             max_top_k=int(top_k.max()) if any_random and has_top_k.all() else None,
+            largest_top_k=int(top_k[has_top_k].max()) if has_top_k.any() else None,
             noise_keys=noise_keys,
             is_seeded=is_seeded,
             all_random_seeded=bool(seeded[random].all()),

@@ -227,6 +227,26 @@ def test_cuda_sampler_gives_the_cpu_samplers_seeded_and_greedy_tokens_and_logpro
 
 
 @pytest.mark.gpu
+def test_cuda_sampler_mixing_rows_with_and_without_a_top_k_gives_the_cpu_samplers_tokens():
+    """A step where some random rows have a top-k and others a top-p, a min-p or nothing: the top-k
+    rows draw among the Triton top-k's candidates, the others from the whole vocabulary with the
+    checking passes. Oracle: the CPU sampler (which sorts the vocabulary) for the same seeded rows."""
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=1), SamplingParams(temperature=0.9, top_p=0.9, seed=2),
+              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=4), SamplingParams(temperature=1.1, min_p=0.05,
+                                                                                          seed=5),
+              SamplingParams(temperature=0.6, top_p=0.95, repetition_penalty=1.2, seed=6)]
+    generator = torch.Generator().manual_seed(3)
+    for step in range(4):
+        logits = (torch.randn(len(params), VOCAB, generator=generator) * 3).to(torch.bfloat16)
+        outputs = [torch.randint(0, VOCAB, (3,), generator=generator).tolist() for _ in params]
+        tokens = {device: Sampler()(logits.to(device), SamplingMetadata.from_requests(
+            params, outputs, [[1, 2]] * len(params), device, VOCAB)).sampled_token_ids.tolist()
+            for device in ("cpu", "cuda")}
+        assert tokens["cuda"] == tokens["cpu"], step
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("params, expected", [
     (SamplingParams(temperature=1.0), PROBS),
     (SamplingParams(temperature=0.5), TEMPERED),
