@@ -39,13 +39,16 @@ class FlatLogprobs(Sequence):
     def append_position(self, token_ids: list[int], logprobs: list[float], rank: int) -> None:
         """Adds a position: the sampled token (its ``rank`` in the distribution) first, then the
         top alternatives by rank (1, 2, ...); the sampled token is not repeated among them."""
+        # Whole-list extends rather than a loop over the entries: this runs for every running request
+        # in every step that asks for logprobs.
+        self._token_ids += token_ids
+        self._logprobs += logprobs
+        self._ranks.append(rank)
+        self._ranks += range(1, len(token_ids))
         sampled = token_ids[0]
-        for position, (token_id, value) in enumerate(zip(token_ids, logprobs)):
-            if position and token_id == sampled:
-                continue
-            self._token_ids.append(token_id)
-            self._logprobs.append(value)
-            self._ranks.append(position or rank)
+        if token_ids.count(sampled) > 1:  # also among the alternatives: listed once, first
+            repeat = len(self._token_ids) - len(token_ids) + token_ids.index(sampled, 1)
+            del self._token_ids[repeat], self._logprobs[repeat], self._ranks[repeat]
         self._starts.append(len(self._token_ids))
 
     def __len__(self) -> int:
