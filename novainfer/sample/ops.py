@@ -249,9 +249,11 @@ def _nucleus_kernel(logits_ptr, stride_logits, vocab_size, temperature_ptr, stri
         in_top_p = (top_p >= 1.0) | (tl.math.div_rn(before, total) < top_p)
         in_min_p = tl.exp(token_logit - row_max) >= min_p
         keep = in_top_p & in_min_p
+        # Without a top-p, the best of the min-p set needs no check. Where nothing is ranked before
+        # the token (exactly, the set's first token, which it holds), the token stays: with NaN
+        # logits, or a row of -inf (0 / 0 mass), the checks above fail and would never end.
+        done = keep | (top_p >= 1.0) | (best == token)
         token = tl.where(keep, token, best)
-        # Without a top-p, the best of the min-p set needs no check.
-        done = keep | (top_p >= 1.0)
     tl.store(tokens_ptr + row, token)
 
 

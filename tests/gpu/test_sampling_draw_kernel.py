@@ -226,6 +226,22 @@ def test_cuda_sampler_gives_the_cpu_samplers_seeded_and_greedy_tokens_and_logpro
         torch.testing.assert_close(cuda.logprobs.logprobs.cpu(), reference, rtol=0, atol=LOGPROB_ATOL)
 
 
+def test_nucleus_draw_ends_on_rows_of_nan_or_minus_infinity():
+    """Broken logits (NaN anywhere, or every logit -inf) must not keep the checking passes going:
+    each row still gets a token id of the vocabulary, and the other rows theirs."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.1),
+              SamplingParams(temperature=0.9, top_p=0.5, min_p=0.2), SamplingParams(temperature=0.7, top_p=0.9)]
+    logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(0))
+    logits[0, ::7] = float("nan")
+    logits[1] = float("-inf")
+    logits[2] = float("nan")
+    metadata = SamplingMetadata.from_requests(params, [[]] * len(params), [[]] * len(params), DEVICE, VOCAB)
+    keys = torch.randint(0, 2**32, (len(params),), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    tokens = draw_nucleus(logits.to(DEVICE), metadata, keys, block=BLOCK, pass_block=BLOCK).cpu()
+    assert all(0 <= t < VOCAB for t in tokens.tolist())
+    assert tokens[3].item() == torch_draw(logits.to(DEVICE), metadata, keys)[3].item()
+
+
 @pytest.mark.gpu
 def test_cuda_sampler_mixing_rows_with_and_without_a_top_k_gives_the_cpu_samplers_tokens():
     """A step where some random rows have a top-k and others a top-p, a min-p or nothing: the top-k
