@@ -177,6 +177,9 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     ttft: float | None = None
+    # Until the response's headers: the server sends them once it handed the request to its engine
+    # (validated, tokenized, admitted), so TTFT minus this is the engine's part of the wait.
+    headers: float | None = None
     e2e: float = 0.0
     sent_at: float = 0.0  # wall-clock time the request was sent (time.time(), comparable across processes)
     itl: list[float] = field(default_factory=list)
@@ -196,6 +199,7 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
     last = started
     try:
         async with client.stream("POST", path, json=body) as response:
+            result.headers = time.perf_counter() - started
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -390,6 +394,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "output_throughput_tok_per_s": round(output_tokens / duration, 2),
         "total_token_throughput_tok_per_s": round((prompt_tokens + output_tokens) / duration, 2),
         "ttft_ms": _summary_ms([r.ttft for r in ok if r.ttft is not None]),
+        "time_to_headers_ms": _summary_ms([r.headers for r in ok if r.headers is not None]),
         "tpot_ms": _summary_ms(tpot),
         "itl_ms": _summary_ms([gap for r in ok for gap in r.itl]),
         "e2e_latency_ms": _summary_ms([r.e2e for r in ok]),

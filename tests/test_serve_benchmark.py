@@ -88,6 +88,7 @@ def test_every_rate_serves_every_request_in_full(sweep, model_dir):
         assert run["total_input_tokens"] == expected_input
         assert_rate(run["output_throughput_tok_per_s"], run["total_output_tokens"], run["duration_s"])
         assert 0 < run["ttft_ms"]["median"] <= run["e2e_latency_ms"]["median"]
+        assert 0 < run["time_to_headers_ms"]["median"] <= run["ttft_ms"]["median"]
         assert run["ttft_ms"]["median"] <= run["ttft_ms"]["p99"] and run["itl_ms"]["median"] <= run["itl_ms"]["p99"]
         # The timeline: every request sent before the last token came, the last token within the duration.
         assert 0 <= run["last_request_sent_s"] < run["last_token_s"] <= run["duration_s"] + 0.001
