@@ -16,6 +16,7 @@ Logprobs are the raw logits minus their log-sum-exp, never a [B, V] log_softmax.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -314,6 +315,10 @@ def _sample_with_kernels(logits: torch.Tensor, metadata: SamplingMetadata) -> to
     # Three Triton launches (the top-k's two and the draw) for what the torch stages do in about twenty.
     values, ids = top_k(logits, num_candidates)
     tokens = draw_candidates(values, ids, metadata, keys)
-    if metadata.max_top_k is None:  # some random rows have no top-k
-        tokens = torch.where(metadata.top_k < metadata.vocab_size, tokens, draw_nucleus(logits, metadata, keys))
+    if metadata.max_top_k is None:  # some random rows have no top-k: theirs come from the whole vocabulary
+        has_top_k = metadata.top_k < metadata.vocab_size
+        # Without their top-p and min-p, the rows with a top-k take no checking passes there.
+        whole = dataclasses.replace(metadata, top_p=metadata.top_p.masked_fill(has_top_k, 1.0),
+                                    min_p=metadata.min_p.masked_fill(has_top_k, 0.0))
+        tokens = torch.where(has_top_k, tokens, draw_nucleus(logits, whole, keys))
     return tokens

@@ -242,6 +242,30 @@ def test_nucleus_draw_ends_on_rows_of_nan_or_minus_infinity():
     assert tokens[3].item() == torch_draw(logits.to(DEVICE), metadata, keys)[3].item()
 
 
+MIXED_PARAMS = [SamplingParams(temperature=0.8, top_k=20, top_p=0.7, seed=1), SamplingParams(temperature=0.9, top_p=0.9,
+                                                                                            seed=2),
+                SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.0),
+                SamplingParams(temperature=0.7, top_k=5, min_p=0.2, seed=4),
+                SamplingParams(temperature=1.1, min_p=0.05, seed=5)]
+
+
+def test_kernels_of_a_step_mixing_rows_with_and_without_a_top_k_draw_the_torch_stages_tokens():
+    """The kernels' routing of such a step (top-k candidates for some rows, the whole-vocabulary
+    draw with checking passes for the others, whose passes skip the top-k rows), on a GPU or under
+    the interpreter. Oracle: the sampler's torch stages (which sort the vocabulary) on CPU tensors,
+    for the same seeded rows."""
+    from novainfer.sample.sampler import _sample_with_kernels
+
+    generator = torch.Generator().manual_seed(4)
+    for step in range(3):
+        logits = torch.randn(len(MIXED_PARAMS), VOCAB, generator=generator) * 3
+        history = [torch.randint(0, VOCAB, (3,), generator=generator).tolist() for _ in MIXED_PARAMS]
+        metadata = {device: SamplingMetadata.from_requests(MIXED_PARAMS, history, [[1, 2]] * len(MIXED_PARAMS),
+                                                           device, VOCAB) for device in ("cpu", DEVICE)}
+        kernels = _sample_with_kernels(logits.to(DEVICE), metadata[DEVICE])
+        assert kernels.tolist() == Sampler._sample(logits, metadata["cpu"]).tolist(), step
+
+
 @pytest.mark.gpu
 def test_cuda_sampler_mixing_rows_with_and_without_a_top_k_gives_the_cpu_samplers_tokens():
     """A step where some random rows have a top-k and others a top-p, a min-p or nothing: the top-k
