@@ -105,9 +105,10 @@ class ServedModel:
             results: list[list[list[int]] | BaseException] = []
             try:
                 ids = self._encode_batch([text for texts, _ in jobs for text in texts])
+                start = 0
                 for texts, _ in jobs:
-                    results.append(ids[:len(texts)])
-                    ids = ids[len(texts):]
+                    results.append(ids[start:start + len(texts)])
+                    start += len(texts)
             except Exception:
                 # A text the tokenizer refuses fails its own request only.
                 results = [self._encode_alone(texts) for texts, _ in jobs]
