@@ -123,6 +123,9 @@ def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
             x = x - tl.load(frequency_ptr + row * stride_frequency) * counts.to(tl.float32)
         if use_presence != 0:
             x = x - tl.load(presence_ptr + row * stride_presence) * (counts > 0).to(tl.float32)
+    # A NaN logit is never drawn: a reduction's index over NaN is arbitrary on a GPU (it may point
+    # past the vocabulary), so a broken row still yields one of its own ids.
+    x = tl.where(x == x, x, float("-inf"))
     if NOISE:
         if tl.load(greedy_ptr + row) == 0:
             # Gumbel-max in log space: argmax(x / T - log q) = argmax(softmax(x / T) / q), the
@@ -193,6 +196,7 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
 @triton.jit
 def _scaled_logits(base, cols, vocab_size, temperature):
     y = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+    y = tl.where(y == y, y, float("-inf"))  # NaN: never drawn (see _draw_kernel)
     return tl.math.div_rn(y, temperature)  # IEEE division, as the torch path's logits / temperature
 
 

@@ -242,6 +242,23 @@ def test_nucleus_draw_ends_on_rows_of_nan_or_minus_infinity():
     assert tokens[3].item() == torch_draw(logits.to(DEVICE), metadata, keys)[3].item()
 
 
+def test_every_kernel_path_gives_in_vocabulary_ids_for_rows_of_nan():
+    """The same for a step through every kernel path at once (greedy, top-k candidates, the plain
+    whole-vocabulary draw, the checking passes): NaN logits never yield an id past the vocabulary."""
+    from novainfer.sample.sampler import _sample_with_kernels
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=0.8, top_k=5, min_p=0.1)]
+    generator = torch.Generator().manual_seed(2)
+    for every in (1, 3):
+        logits = torch.randn(len(params), VOCAB, generator=generator)
+        logits[:, ::every] = float("nan")
+        metadata = SamplingMetadata.from_requests(params, [[]] * len(params), [[]] * len(params), DEVICE, VOCAB)
+        tokens = _sample_with_kernels(logits.to(DEVICE), metadata).tolist()
+        assert all(0 <= t < VOCAB for t in tokens), (every, tokens)
+
+
 MIXED_PARAMS = [SamplingParams(temperature=0.8, top_k=20, top_p=0.7, seed=1), SamplingParams(temperature=0.9, top_p=0.9,
                                                                                             seed=2),
                 SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.0),
