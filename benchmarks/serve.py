@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="processes sending the requests (round-robin over one arrival schedule), so that "
                            "parsing the streams is not what limits the measured rate")
     load.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-detailed", action="store_true",
+                   help="also record each request's timeline in the results (sent, headers, first token, end, "
+                        "in seconds after the rate's start): where a burst's requests wait")
     p.add_argument("--offline-companion", action="store_true",
                    help="after the started server stops, run the same prompts through LLM.generate with the "
                         "server's engine arguments and report served / offline output throughput")
@@ -312,8 +315,11 @@ def run_rate(pool, count: int, args: argparse.Namespace, base_url: str, model: s
     duration = max(end for _, end, _ in outcomes) - start_at
     results = [r for share_results, _, _ in outcomes for r in share_results]
     cpu = [c for _, _, c in outcomes]
-    return {"request_rate": rate_label(rate), **summarize(results, duration), **timeline(results, start_at),
-            "client_cpu": client_cpu(cpu, duration)}
+    summary = {"request_rate": rate_label(rate), **summarize(results, duration), **timeline(results, start_at),
+               "client_cpu": client_cpu(cpu, duration)}
+    if args.save_detailed:
+        summary["requests"] = [request_timeline(r, start_at) for r in sorted(results, key=lambda r: r.sent_at)]
+    return summary
 
 
 def _client_share(share: ClientShare) -> tuple[list[RequestResult], float, float]:
@@ -378,6 +384,18 @@ def timeline(results: list[RequestResult], start_at: float) -> dict[str, float |
     return {"last_request_sent_s": round(max(r.sent_at for r in results) - start_at, 3),
             "first_token_s": round(min(r.sent_at + r.ttft for r in ok) - start_at, 3),
             "last_token_s": round(max(r.sent_at + r.e2e for r in ok) - start_at, 3)}
+
+
+def request_timeline(result: RequestResult, start_at: float) -> dict[str, Any]:
+    """One request's moments in seconds after the rate's start (None where it never got there)."""
+    sent = result.sent_at - start_at
+
+    def after(seconds: float | None) -> float | None:
+        return None if seconds is None else round(sent + seconds, 4)
+
+    return {"sent_s": round(sent, 4), "headers_s": after(result.headers), "first_token_s": after(result.ttft),
+            "end_s": after(result.e2e if result.ok else None), "output_tokens": result.output_tokens,
+            "error": result.error}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:

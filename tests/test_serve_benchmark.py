@@ -40,7 +40,7 @@ def sweep(tmp_path_factory) -> tuple[dict, object]:
     report = serve.main(["--device", "cpu", "--dataset", str(dataset), "--num-prompts", str(len(TEXTS)),
                          "--max-input-tokens", str(MAX_WORDS), "--output-len", str(OUTPUT_LEN),
                          "--request-rates", "inf,50", "--offline-companion", "--offline-repeats", "2", "--client-processes", "2",
-                         "--server-log", str(out / "server.log"), "--results-dir", str(out), "--output", "run"])
+                         "--save-detailed", "--server-log", str(out / "server.log"), "--results-dir", str(out), "--output", "run"])
     return report, out
 
 
@@ -93,6 +93,15 @@ def test_every_rate_serves_every_request_in_full(sweep, model_dir):
         # The timeline: every request sent before the last token came, the last token within the duration.
         assert 0 <= run["last_request_sent_s"] < run["last_token_s"] <= run["duration_s"] + 0.001
         assert 0 < run["first_token_s"] <= run["last_token_s"]
+        # --save-detailed: each request's moments, in order, matching the run's timeline.
+        requests = run["requests"]
+        assert len(requests) == len(TEXTS) and all(r["error"] is None for r in requests)
+        assert [r["output_tokens"] for r in requests] == [OUTPUT_LEN] * len(TEXTS)
+        for r in requests:
+            assert 0 <= r["sent_s"] <= r["headers_s"] <= r["first_token_s"] <= r["end_s"] <= run["duration_s"] + 0.001
+        assert max(r["sent_s"] for r in requests) == pytest.approx(run["last_request_sent_s"], abs=0.002)
+        assert min(r["first_token_s"] for r in requests) == pytest.approx(run["first_token_s"], abs=0.002)
+        assert max(r["end_s"] for r in requests) == pytest.approx(run["last_token_s"], abs=0.002)
 
 
 def test_client_cpu_time_is_within_what_the_machine_allows(sweep):
