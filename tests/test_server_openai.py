@@ -347,16 +347,22 @@ def test_session_second_turn_equals_full_history(client, http):
 
 
 def test_session_streaming_and_lru_bound(http):
+    replies = []
     for i in range(6):  # the server keeps at most 4
         with http.stream("POST", "/v1/chat/completions", json={
-                **CHAT, "stream": True, "session_id": f"lru-{i}",
+                **CHAT, "stream": True, "session_id": f"lru-{i}", "max_tokens": 12,
                 "messages": [{"role": "user", "content": f"turn {i}"}]}) as response:
             assert response.status_code == 200
             payloads = sse_payloads(response.iter_lines())
             assert payloads[-1] == "[DONE]"
+        replies.append("".join(json.loads(p)["choices"][0]["delta"].get("content") or ""
+                               for p in payloads[:-1] if json.loads(p)["choices"]))
     ids = [s["id"] for s in http.get("/v1/sessions").json()["data"]]
     assert len(ids) == 4 and ids[0] == "lru-5" and "lru-0" not in ids and "lru-1" not in ids
-    assert len(http.get("/v1/sessions/lru-5").json()["messages"]) == 2
+    messages = http.get("/v1/sessions/lru-5").json()["messages"]
+    # The session keeps the whole streamed reply, not the stream's last piece.
+    assert messages == [{"role": "user", "content": "turn 5"}, {"role": "assistant", "content": replies[5]}]
+    assert len(replies[5]) > 0
 
 
 # ---- cancellation ---------------------------------------------------------------------------------------------
@@ -399,3 +405,28 @@ def test_nonstreaming_client_disconnect_aborts(server, http):
                    json={**COMP, "max_tokens": 1500, "ignore_eos": True}, timeout=0.5)
     running, usage, aborted = _wait_for_idle(http, before)
     assert (running, usage) == (0, 0) and aborted == before + 1
+
+
+# ---- latency histograms -------------------------------------------------------------------------------
+def _histogram_counts(http) -> dict[str, float]:
+    text = http.get("/metrics").text
+    return {name: metric_value(text, f"novainfer:{name}_seconds_count", model_name=MODEL) or 0.0
+            for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency")}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_latency_histograms_count_each_request_and_each_gap_between_tokens(http, stream):
+    """One TTFT and one end-to-end latency per request, and one inter-token gap per token after the
+    first, whether the tokens came one per output or many (a stream's reader behind, a full response)."""
+    before = _histogram_counts(http)
+    body = {"model": MODEL, "prompt": "histograms", "max_tokens": 9, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream}
+    if stream:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            assert sse_payloads(response.iter_lines())[-1] == "[DONE]"
+    else:
+        assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 9
+    after = _histogram_counts(http)
+    assert {k: after[k] - before[k] for k in after} == {"time_to_first_token": 1, "inter_token_latency": 8,
+                                                         "e2e_request_latency": 1}

@@ -445,3 +445,32 @@ def test_small_tokenizer_work_runs_on_the_loop_and_long_work_on_the_tokenizer_th
         model.tokenizer_thread.shutdown()
     assert small == f"{threading.main_thread().name}:{INLINE_TOKENIZER_SIZE}"
     assert large.startswith("novainfer-tokenizer") and large.endswith(f":{INLINE_TOKENIZER_SIZE + 1}")
+
+
+def test_latency_histogram_exposes_what_prometheus_reads_back():
+    """Observations of several values at once, as Prometheus' own text parser reads them from the
+    exposition, against counting each value by hand (a value on a bound falls in that bucket)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from novainfer.entrypoints.openai.metrics import LatencyHistogram
+
+    bounds = (0.01, 0.1, 1.0)
+    histogram = LatencyHistogram("gap_seconds", "Gaps.", bounds)
+    registry = CollectorRegistry()
+    registry.register(histogram)
+    observed = {"a": [(0.005, 3), (0.01, 1), (0.5, 2), (7.0, 1)], "b": [(0.1, 4)]}
+    for model, values in observed.items():
+        for value, count in values:
+            histogram.observe(model, value, count)
+    [family] = text_string_to_metric_families(generate_latest(registry).decode())
+    samples = {(s.name, s.labels["model_name"], s.labels.get("le")): s.value for s in family.samples}
+    for model, values in observed.items():
+        flat = [v for v, count in values for _ in range(count)]
+        for bound in bounds:
+            assert samples[("novainfer:gap_seconds_bucket", model, str(bound))] == sum(v <= bound for v in flat)
+        assert samples[("novainfer:gap_seconds_bucket", model, "+Inf")] == len(flat)
+        assert samples[("novainfer:gap_seconds_count", model, None)] == len(flat)
+        assert samples[("novainfer:gap_seconds_sum", model, None)] == pytest.approx(sum(flat))
+    with pytest.raises(ValueError, match="ascend"):
+        LatencyHistogram("bad_seconds", "Bad.", (1.0, 0.5))

@@ -101,6 +101,7 @@ class ChatHandler(GenerationHandler):
     def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, request: Request) -> None:
         super().__init__(ctx, body, request)
         self.messages: list[dict[str, str]] = []
+        self._streamed_reply: list[str] = []  # a stream's first choice, kept for its session
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
     async def _prepare(self, model: ServedModel) -> tuple[list[list[int]], SamplingParams]:
@@ -127,8 +128,9 @@ class ChatHandler(GenerationHandler):
         """Saves the conversation, with the first choice as the reply, if it ended normally."""
         reply = finals[0].outputs[0]
         if self.body.session_id is not None and reply.finish_reason in ("stop", "length"):
+            text = "".join(self._streamed_reply) if self.body.stream else reply.text
             self.ctx.sessions.save(principal_of(self.request), self.body.session_id, model,
-                                   self.messages + [{"role": "assistant", "content": reply.text}])
+                                   self.messages + [{"role": "assistant", "content": text}])
 
     def _response_body(self, model: ServedModel, finals: list[RequestOutput],
                        usage: UsageInfo) -> ChatCompletionResponse:
@@ -150,22 +152,19 @@ class ChatHandler(GenerationHandler):
         n = self.body.n
         yield [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                for i in range(n)]
-        reported_logprobs = [0] * n
+        keep_reply = self.body.session_id is not None
         finished: set[int] = set()
         async for _, output in self._outputs(submission, finals):
             choices = []
-            for c in output.outputs:
+            for c in output.outputs:  # deltas: the tokens, logprobs and text new since the previous output
                 if c.index in finished:
                     continue
                 logprobs = None
-                if self.top_logprobs is not None and c.logprobs is not None \
-                        and len(c.logprobs) > reported_logprobs[c.index]:
-                    start = reported_logprobs[c.index]
-                    logprobs = chat_logprobs(c.token_ids[start:], c.logprobs[start:], self.top_logprobs,
-                                             model.tokenizer).model_dump()
+                if self.top_logprobs is not None and c.logprobs is not None and len(c.logprobs) > 0:
+                    logprobs = chat_logprobs(c.token_ids, c.logprobs, self.top_logprobs, model.tokenizer).model_dump()
+                if keep_reply and c.index == 0:
+                    self._streamed_reply.append(c.delta_text)
                 if c.delta_text or logprobs is not None:
-                    if logprobs is not None:
-                        reported_logprobs[c.index] = len(c.logprobs)
                     choices.append({"index": c.index, "delta": {"content": c.delta_text}, "logprobs": logprobs,
                                     "finish_reason": None})
                 if c.finish_reason is not None:

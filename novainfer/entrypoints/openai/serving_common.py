@@ -26,7 +26,7 @@ from novainfer.entrypoints.openai.sessions import SessionStore
 from novainfer.entrypoints.openai.streaming import SSE_DONE, ClientDisconnected, SSEResponse, merge_streams, \
     sse_event, unless_disconnected
 from novainfer.outputs import RequestOutput
-from novainfer.sampling_params import SamplingParams
+from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,9 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
                   top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stop,
                   stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, max_tokens=max_tokens,
                   min_tokens=body.min_tokens, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-                  include_stop_str_in_output=body.include_stop_str_in_output)
+                  include_stop_str_in_output=body.include_stop_str_in_output,
+                  # A stream takes what is new at each read; a full response needs only the end.
+                  output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
     if body.top_k is not None:
         kwargs["top_k"] = body.top_k
     if body.min_p is not None:
@@ -192,9 +194,10 @@ async def submit(ctx: ServerContext, request: Request, model: ServedModel, respo
     return submission
 
 
-def usage_of(finals: list[RequestOutput]) -> UsageInfo:
+def usage_of(finals: list[RequestOutput], completion: int) -> UsageInfo:
+    """The usage of a request whose prompts' last outputs are ``finals`` and that generated
+    ``completion`` tokens in all."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in finals)
     usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
     usage.prompt_tokens_details.cached_tokens = cached
@@ -260,7 +263,9 @@ class GenerationHandler(ABC):
 
     async def _outputs(self, submission: Submission,
                        finals: list[RequestOutput | None]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as outputs arrive; each is tracked and kept as its prompt's latest in ``finals``."""
+        """(prompt index, output) as outputs arrive; each is tracked and kept as its prompt's latest in
+        ``finals``. A stream's outputs are deltas (what is new since the previous one); a full
+        response's prompts give one output each, at their end."""
         async for index, output in merge_streams(submission.streams):
             submission.tracker.on_output(output)
             finals[index] = output
@@ -295,7 +300,7 @@ class GenerationHandler(ABC):
 
     def _response(self, submission: Submission, finals: list[RequestOutput]) -> Response:
         model = submission.model
-        usage = usage_of(finals)
+        usage = usage_of(finals, submission.tracker.completion_tokens)
         response = self._response_body(model, finals, usage)
         self._on_complete(model.name, finals)
         submission.tracker.set_usage(usage.prompt_tokens, usage.completion_tokens,
@@ -339,7 +344,7 @@ class GenerationHandler(ABC):
                 else:  # the last events: written with the usage and [DONE] that follow at once
                     last += events
             done = [f for f in finals if f is not None]
-            usage = usage_of(done)
+            usage = usage_of(done, tracker.completion_tokens)
             tracker.set_usage(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
                 last += self._chunk(model.name, created, [], usage=usage.model_dump())

@@ -83,26 +83,21 @@ class CompletionHandler(GenerationHandler):
         model = submission.model
         n = self.body.n
         top = self.body.logprobs
-        num_choices = len(submission.streams) * n
-        reported_logprobs = [0] * num_choices
-        text_offsets = [0] * num_choices
+        text_offsets = [0] * (len(submission.streams) * n)
         finished: set[int] = set()
         async for prompt_index, output in self._outputs(submission, finals):
             choices = []
-            for c in output.outputs:
+            for c in output.outputs:  # deltas: the tokens, logprobs and text new since the previous output
                 index = prompt_index * n + c.index
                 if index in finished:
                     continue
                 logprobs = None
-                if top is not None and c.logprobs is not None and len(c.logprobs) > reported_logprobs[index]:
-                    start = reported_logprobs[index]
-                    logprobs = completion_logprobs(c.token_ids[start:], c.logprobs[start:], top,
-                                                   model.tokenizer, text_offsets[index]).model_dump()
+                if top is not None and c.logprobs is not None and len(c.logprobs) > 0:
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs, top, model.tokenizer,
+                                                   text_offsets[index]).model_dump()
+                    text_offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 done = c.finish_reason is not None
                 if c.delta_text or logprobs is not None or done:
-                    if logprobs is not None:
-                        reported_logprobs[index] = len(c.logprobs)
-                        text_offsets[index] += sum(len(t) for t in logprobs["tokens"])
                     if done:
                         finished.add(index)
                     choices.append({"index": index, "text": c.delta_text, "logprobs": logprobs,
