@@ -375,35 +375,31 @@ class RecordingTokenizer:
         return {"input_ids": [[len(t), ord(t[0])] for t in texts]}
 
 
-def test_long_texts_waiting_for_the_tokenizer_thread_are_encoded_in_one_batch_call():
+def test_texts_waiting_for_the_tokenizer_thread_are_encoded_in_one_batch_call():
     """Oracle: each request's ids are its own texts' (the batch is split back in order), requests
     that arrive while the thread is busy share its next call, and a text the tokenizer refuses
     fails only its own request."""
     tokenizer = RecordingTokenizer()
     model = ServedModel("m", engine=None, tokenizer=tokenizer, max_model_len=8, vocab_size=8)
-    long = lambda c, extra=0: c * (INLINE_TOKENIZER_SIZE + 1 + extra)  # noqa: E731
 
     async def main():
-        first = asyncio.ensure_future(model.encode([long("a")]))
+        first = asyncio.ensure_future(model.encode(["a"]))
         await asyncio.sleep(0.05)  # the thread is now inside the first call
-        later = [asyncio.ensure_future(model.encode(texts)) for texts in
-                 ([long("b"), long("c", 1)], [long("d")], ["e", long("f", 2)])]
+        later = [asyncio.ensure_future(model.encode(texts)) for texts in (["bb", "ccc"], ["d"], ["e", "ffff"])]
         await asyncio.sleep(0.05)
         tokenizer.release.set()
         results = await asyncio.gather(first, *later)
         # A refused text: the batch fails, then each request is encoded alone.
-        bad, good = model.encode([long("bad")]), model.encode([long("g")])
-        return results, await asyncio.gather(bad, good, return_exceptions=True)
+        bad, good = model.encode(["bad"]), model.encode(["g"])
+        return results, await asyncio.gather(bad, good, return_exceptions=True), await model.encode([])
 
     try:
-        results, (bad, good) = asyncio.run(main())
+        results, (bad, good), empty = asyncio.run(main())
     finally:
         model.tokenizer_thread.shutdown()
-    n = INLINE_TOKENIZER_SIZE + 1
-    assert results == [[[n, ord("a")]], [[n, ord("b")], [n + 1, ord("c")]], [[n, ord("d")]],
-                       [[1, ord("e")], [n + 2, ord("f")]]]
+    assert results == [[[1, ord("a")]], [[2, ord("b")], [3, ord("c")]], [[1, ord("d")]], [[1, ord("e")], [4, ord("f")]]]
     assert [len(batch) for batch in tokenizer.batches[:2]] == [1, 5]  # three requests, one call
-    assert isinstance(bad, ValueError) and good == [[n, ord("g")]]
+    assert isinstance(bad, ValueError) and good == [[1, ord("g")]] and empty == []
 
 
 def test_batched_encoding_gives_the_ids_of_encode():
