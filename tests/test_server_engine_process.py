@@ -102,7 +102,25 @@ def test_64_concurrent_streams_each_equal_their_offline_output(server, offline):
         assert (text, finish) == (exp.outputs[0].text, "length"), f"stream {i}"
 
 
-def test_mixed_batch_served_equals_offline_byte_for_byte(server, offline):
+async def _streamed_completion(client, **kwargs) -> list[dict]:
+    """A streamed completion's choices put together from its chunks' deltas, in index order:
+    text, finish and stop reasons, and the sampled tokens' logprobs."""
+    choices: dict[int, dict] = {}
+    async for chunk in await client.completions.create(stream=True, **kwargs):
+        for delta in chunk.choices:
+            choice = choices.setdefault(delta.index, {"text": "", "finish_reason": None, "stop_reason": None,
+                                                      "token_logprobs": []})
+            choice["text"] += delta.text
+            if delta.logprobs is not None:
+                choice["token_logprobs"] += delta.logprobs.token_logprobs
+            if delta.finish_reason is not None:
+                choice["finish_reason"] = delta.finish_reason
+                choice["stop_reason"] = getattr(delta, "stop_reason", None)
+    return [choices[i] for i in sorted(choices)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_mixed_batch_served_equals_offline_byte_for_byte(server, offline, stream):
     stop_source = offline.generate("Stop strings come from here", SamplingParams(temperature=0, max_tokens=16,
                                                                                  ignore_eos=True),
                                    use_tqdm=False)[0].outputs[0].text
@@ -118,26 +136,30 @@ def test_mixed_batch_served_equals_offline_byte_for_byte(server, offline):
     params = [SamplingParams(**fields, ignore_eos=True) for _, fields in cases]
     expected = offline.generate([p for p, _ in cases], params, use_tqdm=False)
 
-    async def one(client: openai.AsyncOpenAI, prompt: str, fields: dict):
-        return await client.completions.create(model="tiny", prompt=prompt, extra_body={"ignore_eos": True},
-                                               **fields)
+    async def one(client: openai.AsyncOpenAI, prompt: str, fields: dict) -> list[dict]:
+        kwargs = dict(model="tiny", prompt=prompt, extra_body={"ignore_eos": True}, **fields)
+        if stream:
+            return await _streamed_completion(client, **kwargs)
+        response = await client.completions.create(**kwargs)
+        return [{"text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                 "token_logprobs": c.logprobs.token_logprobs if c.logprobs is not None else []}
+                for c in sorted(response.choices, key=lambda c: c.index)]
 
     async def batch():
         async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0,
                                       timeout=120) as client:
             return await asyncio.gather(*(one(client, p, f) for p, f in cases))
 
-    for (prompt, fields), response, exp in zip(cases, asyncio.run(batch()), expected):
-        choices = sorted(response.choices, key=lambda c: c.index)
+    for (prompt, fields), choices, exp in zip(cases, asyncio.run(batch()), expected):
         assert len(choices) == len(exp.outputs), prompt
         for choice, out in zip(choices, exp.outputs):
-            assert choice.text.encode() == out.text.encode(), prompt
-            assert (choice.finish_reason, choice.stop_reason) == (out.finish_reason, out.stop_reason), prompt
+            assert choice["text"].encode() == out.text.encode(), prompt
+            assert (choice["finish_reason"], choice["stop_reason"]) == (out.finish_reason, out.stop_reason), prompt
             if "logprobs" in fields:
                 offline_values = [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs)]
                 # The same tokens; their values may differ in the last bits, as the batch they ran
                 # in (and so the shapes of the matrix products) differs from the offline run's.
-                assert choice.logprobs.token_logprobs == pytest.approx(offline_values, abs=1e-4)
+                assert choice["token_logprobs"] == pytest.approx(offline_values, abs=1e-4)
     assert expected[2].outputs[0].finish_reason == "stop"  # the stop string did end it
 
 

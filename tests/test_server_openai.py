@@ -118,6 +118,31 @@ def test_chat_n_and_logprobs(client):
     assert response.usage.completion_tokens == sum(len(c.logprobs.content) for c in response.choices)
 
 
+def test_chat_stream_with_n_and_logprobs_puts_together_the_full_response(client):
+    """A stream's deltas (two choices, each token's logprobs, the usage at the end) add up to the
+    non-streamed response of the same greedy request."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Count: 1 2 3"}], temperature=0, max_tokens=7,
+                  n=2, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    text, tokens, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
+    usage = None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None:
+                tokens[choice.index] += [(e.token, e.logprob, [t.token for t in e.top_logprobs])
+                                         for e in choice.logprobs.content]
+            if choice.finish_reason is not None:
+                finish[choice.index] = choice.finish_reason
+    for choice in full.choices:
+        assert text[choice.index] == choice.message.content
+        assert finish[choice.index] == choice.finish_reason == "length"
+        expected = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in choice.logprobs.content]
+        assert [(t, pytest.approx(lp, abs=1e-4), top) for t, lp, top in expected] == tokens[choice.index]
+    assert usage.completion_tokens == full.usage.completion_tokens == 14
+
+
 # ---- completions ---------------------------------------------------------------------------------------
 def test_completion_matches_offline_streamed_and_not(client, offline):
     prompt = "Once upon a time there was"
