@@ -232,5 +232,11 @@ class SamplingParams:
             self._all_stop_token_ids.update(eos_token_ids)
 
     def clone(self) -> SamplingParams:
-        """Deep copy, so that per-request edits (EOS ids, max_tokens) do not leak."""
-        return copy.deepcopy(self)
+        """A copy whose containers (stop strings, stop ids) are copies too, so that per-request edits
+        (EOS ids, max_tokens) do not leak; their items are immutable. (``copy.deepcopy`` took a
+        server about 30 us per request.)"""
+        clone = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, (list, set, dict)):
+                setattr(clone, name, copy.copy(value))
+        return clone

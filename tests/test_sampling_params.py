@@ -120,8 +120,9 @@ def test_clone_is_independent():
     assert c == p and c is not p
     c.update_from_generation_config([2])
     c.stop.append("y")
+    c.stop_token_ids.append(3)
     assert p.all_stop_token_ids == {1}
-    assert p.stop == ["x"]
+    assert p.stop == ["x"] and p.stop_token_ids == [1]
 
 
 def test_seed_outside_64_bits_is_rejected():

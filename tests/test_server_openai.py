@@ -281,6 +281,7 @@ BAD_INPUTS = [
     ("prompt empty list", "/v1/completions", {**COMP, "prompt": []}, 400, "prompt"),
     ("prompt empty string", "/v1/completions", {**COMP, "prompt": ""}, 400, "prompt"),
     ("token id out of vocab", "/v1/completions", {**COMP, "prompt": [10**6]}, 400, "prompt"),
+    ("negative token id in a batch", "/v1/completions", {**COMP, "prompt": [[1, 2], [3, -4]]}, 400, "prompt"),
     ("too-long prompt", "/v1/completions", {**COMP, "prompt": TOO_LONG}, 400, "prompt"),
     ("prompt + max_tokens too long", "/v1/completions", {**COMP, "max_tokens": 4000}, 400, "max_tokens"),
     ("echo", "/v1/completions", {**COMP, "echo": True}, 400, "echo"),

@@ -44,9 +44,11 @@ class InputProcessor:
         vocab = self.model_config.vocab_size
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        bad = next((t for t in prompt_token_ids
-                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-        if bad is not None:
+        # The common case checked at C speed (every id a plain int, min and max in range); the loop
+        # that names the bad value runs only for a bad prompt.
+        if not (set(map(type, prompt_token_ids)) == {int} and 0 <= min(prompt_token_ids)
+                and max(prompt_token_ids) < vocab):
+            bad = next(t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab)
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad!r}")
         max_len = self.model_config.max_model_len
         if len(prompt_token_ids) > max_len:

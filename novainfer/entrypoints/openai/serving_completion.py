@@ -37,13 +37,12 @@ def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list
 async def tokenize_prompts(model: ServedModel, prompts: list[str | list[int]]) -> list[list[int]]:
     """Every prompt as token ids. Text is encoded as the engine does: it is the client's own raw
     prompt, so special-token text in it is parsed as special tokens (as vLLM does)."""
-    encoded = iter(await model.encode([p for p in prompts if isinstance(p, str)]))
-    token_lists = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
-    for ids in token_lists:
-        bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
-        if bad is not None:
+    for ids in prompts:  # the client's own ids (the tokenizer's are in range)
+        if not isinstance(ids, str) and ids and not (0 <= min(ids) and max(ids) < model.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < model.vocab_size)
             raise OpenAIError(f"prompt token ids must be in [0, {model.vocab_size}), got {bad}", param="prompt")
-    return token_lists
+    encoded = iter(await model.encode([p for p in prompts if isinstance(p, str)]))
+    return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
 
 class CompletionHandler(GenerationHandler):
