@@ -15,7 +15,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -153,11 +152,6 @@ class ServerMetrics:
             ["model_name", "reason"], registry=self.registry)
 
 
-@dataclass
-class _Progress:
-    last_token_time: float | None = None
-
-
 class RequestTracker:
     """Follows one API request's engine outputs; observes latencies and logs one line at the end."""
 
@@ -177,14 +171,13 @@ class RequestTracker:
         self.cached_tokens = 0
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
-        self._progress: dict[str, _Progress] = {}
+        self._last_token_time: dict[str, float] = {}  # per engine request: of its latest output
         self._done = False
 
     def on_output(self, output: RequestOutput) -> None:
         """Records one engine output (of any of the request's prompts; a delta, the final one, or
         cumulative: its ``delta_token_ids`` are the tokens new since the previous)."""
         metrics = output.metrics
-        progress = self._progress.setdefault(output.request_id, _Progress())
         new = sum(len(c.delta_token_ids) for c in output.outputs)
         self.completion_tokens += new
         if metrics is None:
@@ -197,12 +190,12 @@ class RequestTracker:
         now = metrics.last_token_time
         if new == 0 or now is None:
             return
-        previous = progress.last_token_time
+        previous = self._last_token_time.get(output.request_id)
         if previous is None and metrics.first_token_time is not None:
             previous, new = metrics.first_token_time, new - 1  # no gap before the first token
         if previous is not None and new > 0:
             self.metrics.inter_token_latency.observe(self.model, max(now - previous, 0.0) / new, new)
-        progress.last_token_time = now
+        self._last_token_time[output.request_id] = now
 
     def set_usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, completion_tokens, \
