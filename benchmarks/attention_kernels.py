@@ -177,25 +177,30 @@ def decode_sweep_rows(name: str, shape: dict[str, int]) -> Iterator[dict[str, An
 
 
 def prefill_sweep_rows(name: str, shape: dict[str, int]) -> Iterator[dict[str, Any]]:
-    """Tile configurations of the prefill kernel alone (the store is not timed)."""
+    """Tile configurations of the prefill kernel alone (the store is not timed), on steps of several
+    sizes: the best tile depends on how many programs a step has per SM (see ``prefill_tile_config``)."""
     from novainfer.attention.ops import PrefillTileConfig, prefill_attention
 
-    step = Step([(0, 1024)] * 8, shape)
-    out = torch.empty_like(step.query)
-    a = step.args
-    for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4]):
-        config = PrefillTileConfig(block_m, block_n, warps, stages)
+    cases = {"8 x 1024": [(0, 1024)] * 8, "6 x 1024": [(0, 1024)] * 6, "1 x 4096": [(0, 4096)],
+             "512 chunk + 255 decodes @1000": [(999, 1)] * 255 + [(0, 512)]}
+    for case, specs in cases.items():
+        step = Step(specs, shape)
+        out = torch.empty_like(step.query)
+        a = step.args
+        skip_decodes = any(query_len == 1 for _, query_len in specs)
+        for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3]):
+            config = PrefillTileConfig(block_m, block_n, warps, stages)
 
-        def fn(config=config):
-            prefill_attention(step.query, step.k_cache, step.v_cache, out, a["query_start_loc"], a["seq_lens"],
-                              a["block_tables"], step.scale, config=config)
-        try:
-            us = bench(fn, rep_ms=30)
-        except Exception as e:  # a configuration that does not fit (shared memory, registers)
-            print(f"skip prefill {config}: {type(e).__name__}", file=sys.stderr)
-            continue
-        yield dict(shape=name, kind="sweep-prefill", case="8 x 1024", config=str(config), triton_us=us,
-                   tflops=step.flops / us / 1e6)
+            def fn(config=config):
+                prefill_attention(step.query, step.k_cache, step.v_cache, out, a["query_start_loc"], a["seq_lens"],
+                                  a["block_tables"], step.scale, skip_decodes=skip_decodes, config=config)
+            try:
+                us = bench(fn, graph=True, rep_ms=30)
+            except Exception as e:  # a configuration that does not fit (shared memory, registers)
+                print(f"skip prefill {config}: {type(e).__name__}", file=sys.stderr)
+                continue
+            yield dict(shape=name, kind="sweep-prefill", case=case, config=str(config), triton_us=us,
+                       tflops=step.flops / us / 1e6)
 
 
 def fused_op_rows() -> Iterator[dict[str, Any]]:

@@ -25,7 +25,8 @@ pytest.importorskip("triton")
 
 from novainfer.attention.backends import AttentionMetadata, TorchReferenceBackend  # noqa: E402
 from novainfer.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
-from novainfer.attention.ops import decode_attention, prefill_attention, reshape_and_cache  # noqa: E402
+from novainfer.attention.ops import (decode_attention, prefill_attention, prefill_tile_config,  # noqa: E402
+                                     reshape_and_cache)
 from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
 
 pytestmark = MARKS
@@ -233,6 +234,41 @@ def test_prefill_kernel_alone_computes_decode_rows_too(case):
     prefill_attention(step.query, k_cache, v_cache, out, metadata.query_start_loc, metadata.seq_lens,
                       metadata.block_tables, scale)
     assert_close(out, ref_out, "prefill kernel on a mixed step")
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+@pytest.mark.parametrize("case", QWEN_CASES[:2], ids=case_id)
+def test_decode_kernel_in_a_mixed_step_writes_only_decode_rows(case, num_splits):
+    """With ``query_start_loc`` the decode kernel computes single-query sequences (at their rows) and
+    leaves every row of the other sequences as it was, split or not."""
+    ratio, head_size, block_size, dtype = case
+    step = make_step(MIXED, ratio, head_size, block_size, dtype, seed=40 + num_splits)
+    scale = head_size ** -0.5
+    ref_out, k_cache, v_cache = reference(step, scale)
+    metadata = step.metadata(TorchReferenceBackend())
+    out = torch.full_like(step.query, float("nan"))
+    decode_attention(step.query, k_cache, v_cache, out, metadata.seq_lens, metadata.block_tables, scale,
+                     num_splits, query_start_loc=metadata.query_start_loc)
+    rows = np.repeat(step.query_lens == 1, step.query_lens)
+    decode_rows = torch.from_numpy(rows).to(DEVICE)
+    assert_close(out[decode_rows], ref_out[decode_rows], f"decode rows, {num_splits} splits")
+    assert torch.isnan(out[~decode_rows]).all(), "the decode kernel wrote rows of a prefill sequence"
+
+
+@pytest.mark.parametrize("query_rows", [0, 2 ** 62], ids=["small-step-tile", "large-step-tile"])
+@pytest.mark.parametrize("case", QWEN_CASES[:2], ids=case_id)
+def test_prefill_kernel_at_every_tile_size(case, query_rows):
+    """Each tile ``prefill_tile_config`` may pick for a step's size gives the oracle's rows."""
+    ratio, head_size, block_size, dtype = case
+    step = make_step(MIXED, ratio, head_size, block_size, dtype, seed=9)
+    scale = head_size ** -0.5
+    ref_out, k_cache, v_cache = reference(step, scale)
+    metadata = step.metadata(TorchReferenceBackend())
+    out = torch.full_like(step.query, float("nan"))
+    config = prefill_tile_config(head_size, query_rows, 132)
+    prefill_attention(step.query, k_cache, v_cache, out, metadata.query_start_loc, metadata.seq_lens,
+                      metadata.block_tables, scale, config=config)
+    assert_close(out, ref_out, f"prefill kernel with {config}")
 
 
 @pytest.mark.parametrize("case", QWEN_CASES[:2], ids=case_id)

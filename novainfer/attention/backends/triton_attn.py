@@ -23,24 +23,16 @@ nothing here synchronises with the host, so a decode-only step can be captured i
 
 from __future__ import annotations
 
-import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from novainfer.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from novainfer.attention.ops import (MAX_SPLITS, choose_num_splits, decode_attention, decode_workspace_shape,
-                                     prefill_attention, reshape_and_cache, rotary_embedding_and_cache)
-
-# The Triton interpreter (CPU tensors) has no SM count; any small number exercises the same paths.
-_INTERPRETER_SMS = 8
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+                                     prefill_attention, prefill_tile_config, reshape_and_cache,
+                                     rotary_embedding_and_cache)
+from novainfer.attention.ops.common import num_sms
 
 
 @dataclass
@@ -64,7 +56,7 @@ class TritonAttentionPlan:
         if launch is None:
             device = k_cache.device
             num_splits = choose_num_splits(self.num_decodes, num_kv_heads, head_size, self.decode_max_seq_len,
-                                           _num_sms(device))
+                                           num_sms(device))
             workspace = None
             if num_splits > 1:
                 out_shape, lse_shape = decode_workspace_shape(num_seqs, num_heads, head_size, num_splits)
@@ -112,7 +104,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Launches each variant once on one sequence of one token in block 0 (the kernels only read the
-        caches): the prefill kernel with and without decodes to skip, and the decode kernel for decode-only
+        caches): the prefill kernel with and without decodes to skip, at each tile size a step's size may
+        pick (:func:`prefill_tile_config`), and the decode kernel for decode-only
         and mixed steps, unsplit and at every split count's compiled size (its reduction is specialized
         to the split count's power of two). Which of these a step uses depends on its decodes' number
         and lengths, so an eager step beyond the captured ones could otherwise compile mid-run."""
@@ -122,9 +115,10 @@ class TritonAttentionBackend(AttentionBackend):
         seq_lens = torch.ones(1, dtype=torch.int32, device=device)
         query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
         block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
-        for skip_decodes in (False, True):
+        tiles = {prefill_tile_config(head_size, query_rows, num_sms(device)) for query_rows in (0, 2 ** 62)}
+        for skip_decodes, config in itertools.product((False, True), tiles):
             prefill_attention(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, 1.0,
-                              skip_decodes=skip_decodes)
+                              skip_decodes=skip_decodes, config=config)
         num_splits = 1
         while num_splits <= MAX_SPLITS:
             for start_loc in (None, query_start_loc):

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from novainfer.layers.ops.common import next_power_of_2
 
 LOG2E = 1.4426950408889634
+# The Triton interpreter (CPU tensors) has no SM count; any small number exercises the same paths.
+_INTERPRETER_SMS = 8
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (what the kernels size their grids against)."""
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def head_pad(head_size: int) -> int:

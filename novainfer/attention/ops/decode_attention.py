@@ -71,12 +71,17 @@ def _decode_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE_ONLY:
+        is_decode = True
         token = seq.to(tl.int64)
-    else:  # a mixed step: sequences with more than one query belong to the prefill kernel
-        token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-        if tl.load(query_start_loc_ptr + seq + 1) - token != 1:
-            return
-    seq_len = tl.load(seq_lens_ptr + seq)
+        seq_len = tl.load(seq_lens_ptr + seq)
+    else:
+        # A mixed step: sequences with more than one query belong to the prefill kernel. They attend
+        # to nothing here and their stores are masked off. (An early return instead made the compiler
+        # keep 168 registers rather than 128, and the kernel 25% slower, on an H200.)
+        start_row = tl.load(query_start_loc_ptr + seq)
+        is_decode = tl.load(query_start_loc_ptr + seq + 1) - start_row == 1
+        seq_len = tl.where(is_decode, tl.load(seq_lens_ptr + seq), 0)
+        token = tl.where(is_decode, start_row, 0).to(tl.int64)
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
@@ -108,12 +113,12 @@ def _decode_attention_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if not SPLIT_K:
         tl.store(out_ptr + token * stride_out_t + head[:, None] * stride_out_h + dim[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask & is_decode)
     else:
         part = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_PAD + dim[None, :], out, mask=row_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_PAD + dim[None, :], out, mask=row_mask & is_decode)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=group < QUERIES_PER_KV)
+        tl.store(part_lse_ptr + part, lse, mask=(group < QUERIES_PER_KV) & is_decode)
 
 
 _launch_decode_attention = KernelLauncher(_decode_attention_kernel)

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.attention.ops.common import (check_kv_cache, check_out, dot_precision, head_pad, queries_per_kv,
-                                           scale_log2, unit_last_stride)
+from novainfer.attention.ops.common import (check_kv_cache, check_out, dot_precision, head_pad, num_sms,
+                                           queries_per_kv, scale_log2, unit_last_stride)
 from novainfer.attention.ops.paged_tile import attend_paged_tile
 from novainfer.layers.ops.common import next_power_of_2
 from novainfer.layers.ops.launcher import KernelLauncher
@@ -111,11 +111,25 @@ class PrefillTileConfig:
     num_stages: int
 
 
-def prefill_tile_config(head_size: int) -> PrefillTileConfig:
-    """Tiles measured on an H200 (benchmarks/attention_kernels.py, with ``--sweep prefill``): for head
-    size 64, 128 rows x 64 keys on 8 warps; for 128, 64 x 64 on 4 warps, which was within 3% of the
-    sweep's best on prompts and faster on long prompts, cached prefixes and mixed steps."""
-    return PrefillTileConfig(128, 64, 8, 2) if head_size <= 64 else PrefillTileConfig(64, 64, 4, 2)
+# Programs per SM from which a step runs faster on the large tile (fewer, longer programs).
+LARGE_TILE_PROGRAMS_PER_SM = 5
+
+
+def prefill_tile_config(head_size: int, query_rows: int = 0, num_sms: int = 1) -> PrefillTileConfig:
+    """Tiles measured on an H200 (benchmarks/attention_kernels.py, ``--sweep prefill``).
+
+    Head size 64: 128 rows x 64 keys on 8 warps when ``query_rows`` (tokens x query heads) give the
+    step at least LARGE_TILE_PROGRAMS_PER_SM such programs per SM (6 prompts of 1,024: 56 us against
+    63; 32 of 512: 88 against 115); smaller steps take 64 x 128 on 4 warps, twice the programs (one
+    4,096-token prompt: 129 us against 147; a 512-token chunk beside 255 decodes, as in a captured
+    mixed step: 13.5 against 17.1). Head size 128: 64 x 64 on 4 warps, within 3% of the sweep's best
+    on prompts and faster on long prompts, cached prefixes and mixed steps.
+    """
+    if head_size > 64:
+        return PrefillTileConfig(64, 64, 4, 2)
+    if query_rows >= LARGE_TILE_PROGRAMS_PER_SM * num_sms * 128:
+        return PrefillTileConfig(128, 64, 8, 2)
+    return PrefillTileConfig(64, 128, 4, 2)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -126,7 +140,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     Sequence ``b`` owns rows ``query_start_loc[b] : query_start_loc[b + 1]``, which are the last
     ``query_len`` of its ``seq_lens[b]`` positions. With ``skip_decodes`` the rows of sequences
     with a single query are not written (the decode kernel computes them). ``config`` defaults to
-    :func:`prefill_tile_config`.
+    :func:`prefill_tile_config` for the step's size.
     """
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
@@ -137,7 +151,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return
     query = unit_last_stride(query)
     group = queries_per_kv(num_heads, num_kv_heads)
-    config = config or prefill_tile_config(head_size)
+    config = config or prefill_tile_config(head_size, num_tokens * num_heads, num_sms(query.device))
     block_m = max(config.block_m, next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
