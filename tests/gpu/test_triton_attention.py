@@ -27,6 +27,7 @@ from novainfer.attention.backends import AttentionMetadata, TorchReferenceBacken
 from novainfer.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from novainfer.attention.ops import (decode_attention, prefill_attention, prefill_tile_config,  # noqa: E402
                                      reshape_and_cache)
+from novainfer.attention.ops.prefill_attention import SEARCH_CHUNK  # noqa: E402
 from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
 
 pytestmark = MARKS
@@ -253,6 +254,14 @@ def test_decode_kernel_in_a_mixed_step_writes_only_decode_rows(case, num_splits)
     decode_rows = torch.from_numpy(rows).to(DEVICE)
     assert_close(out[decode_rows], ref_out[decode_rows], f"decode rows, {num_splits} splits")
     assert torch.isnan(out[~decode_rows]).all(), "the decode kernel wrote rows of a prefill sequence"
+
+
+def test_step_of_more_sequences_than_one_search_chunk():
+    """The prefill kernel finds each program's sequence in chunks of the sequence table: a step of
+    more sequences than one chunk, single- and multi-query ones interleaved."""
+    specs = [(i % 5, 1 + i % 3) for i in range(SEARCH_CHUNK + 44)]
+    step = make_step(specs, 7, 64, 16, DTYPES[0], seed=12)
+    check_backend_step(step, f"mixed step of {len(specs)} sequences")
 
 
 @pytest.mark.parametrize("query_rows", [0, 2 ** 62], ids=["small-step-tile", "large-step-tile"])

@@ -28,18 +28,25 @@ from novainfer.layers.ops.common import next_power_of_2
 from novainfer.layers.ops.launcher import KernelLauncher
 
 
+# Sequences whose first query blocks one load of ``_find_seq`` compares at once.
+SEARCH_CHUNK = tl.constexpr(256)
+
+
 @triton.jit
 def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
-    """The last sequence ``b`` whose first query block ``query_start_loc[b] // BLOCK_Q + b`` is <= q_block."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+    """The last sequence ``b`` whose first query block ``query_start_loc[b] // BLOCK_Q + b`` is <= q_block.
+
+    First blocks increase with ``b``, so ``b`` is the number of them <= ``q_block``, less one: a
+    count over chunks of the table, whose loads do not wait for each other as a binary search's do
+    (a mixed step of 256 sequences reads one chunk where a search made 8 dependent loads).
+    """
+    count = tl.full((), 0, tl.int32)
+    for chunk_start in range(0, num_seqs, SEARCH_CHUNK):
+        seq = chunk_start + tl.arange(0, SEARCH_CHUNK)
+        in_range = seq < num_seqs
+        first_block = tl.load(query_start_loc_ptr + seq, mask=in_range, other=0) // BLOCK_Q + seq
+        count += tl.sum((in_range & (first_block <= q_block)).to(tl.int32), 0)
+    return count - 1
 
 
 # Not specialized on the block table's row stride (see the decode kernel).
