@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import latency, spec_decode, throughput
+from benchmarks import latency, mixed_step, spec_decode, throughput
 from benchmarks.architectures import ARCHITECTURES, get_architecture, hf_config
 
 
@@ -77,6 +77,17 @@ def test_throughput_of_a_sampled_run_with_text(tmp_path):
     assert throughput.main([*args, "--no-detokenize"])["sampling"]["detokenize"] is False
     with pytest.raises(SystemExit):  # a peer decodes greedy only
         throughput.parse_args(["--temperature", "0.6"])
+
+
+def test_mixed_step_benchmark_times_the_step_kinds_it_names(tmp_path):
+    """Every timed step of each kind is of that kind by the engine's own count (a mixed step holds
+    the decodes and the new chunk)."""
+    results = mixed_step.main(["--decodes", "5", "--chunk", "24", "--context", "20", "--warmup", "1", "--steps", "3",
+                               "--results-dir", str(tmp_path), "--output", "run"])
+    assert json.loads((tmp_path / "run.json").read_text())["mixed_over_decode"] == results["mixed_over_decode"]
+    decode, mixed = results["steps"]
+    assert decode["steps_by_kind"] == {"decode": 4} and mixed["steps_by_kind"] == {"mixed": 4}
+    assert results["ratio_of"] == "wall_ms" and results["mixed_over_decode"] > 0
 
 
 def test_latency_times_both_sides(tmp_path):
