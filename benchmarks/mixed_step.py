@@ -67,7 +67,9 @@ class StepDriver:
         output_len = 2 * (args.warmup + args.steps + args.profile_steps) + 16  # outlives every timed step
         for _ in range(args.decodes):
             self._add(args.context, output_len)
-        while engine.get_stats().num_waiting_reqs:  # admit (and prefill) every running request
+        # Admit and prefill every request (chunked prefill may take many steps): until a step decodes only.
+        decode_steps = engine.get_stats().steps_by_kind.get("decode", 0)
+        while engine.get_stats().steps_by_kind.get("decode", 0) == decode_steps:
             engine.step()
 
     def _add(self, prompt_len: int, output_len: int) -> None:
