@@ -64,13 +64,21 @@ class StepDriver:
         self.generator = torch.Generator().manual_seed(args.seed)
         self.vocab_size = min(vocab_size, 10000)
         self.added = 0
-        output_len = 2 * (args.warmup + args.steps + args.profile_steps) + 16  # outlives every timed step
+        # Outlives every timed step, and admission: once some requests decode, the rest join in
+        # chunks of at most the captured mixed-step size (1,024 tokens by default; 256 assumed here).
+        output_len = 2 * (args.warmup + args.steps + args.profile_steps) + args.decodes * args.context // 256 + 16
         for _ in range(args.decodes):
             self._add(args.context, output_len)
         # Admit and prefill every request (chunked prefill may take many steps): until a step decodes only.
         decode_steps = engine.get_stats().steps_by_kind.get("decode", 0)
         while engine.get_stats().steps_by_kind.get("decode", 0) == decode_steps:
             engine.step()
+        self.check_running(args.decodes)
+
+    def check_running(self, expected: int) -> None:
+        running = self.engine.get_stats().num_running_reqs
+        if running != expected:
+            raise RuntimeError(f"{running} requests are decoding, expected {expected}")
 
     def _add(self, prompt_len: int, output_len: int) -> None:
         import torch
@@ -125,6 +133,7 @@ def measure(driver: StepDriver, kind: str, args: argparse.Namespace, cuda: bool)
     row: dict[str, Any] = {"kind": kind, "wall_ms": round(1e3 * statistics.median(wall), 3)}
     if cuda:
         row.update(_kernel_profile(driver, kind, args.profile_steps, args.top_kernels))
+    driver.check_running(args.decodes)
     after = driver.engine.get_stats().steps_by_kind
     row["steps_by_kind"] = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
     if set(row["steps_by_kind"]) != {kind}:
