@@ -470,3 +470,82 @@ def test_latency_histogram_exposes_what_prometheus_reads_back():
         assert samples[("novainfer:gap_seconds_sum", model, None)] == pytest.approx(sum(flat))
     with pytest.raises(ValueError, match="ascend"):
         LatencyHistogram("bad_seconds", "Bad.", (1.0, 0.5))
+
+
+# ---- SSE responses ----------------------------------------------------------------------------------------
+class _SSEClient:
+    """The ASGI side of one streamed response: records what is sent; disconnects when told to."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.gone = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def bodies(self) -> list[bytes]:
+        return [m["body"] for m in self.sent if m["type"] == "http.response.body"]
+
+
+async def _run_sse(client: _SSEClient, chunks: int, disconnect_after: int | None):
+    """Streams ``chunks`` events (the client leaves after ``disconnect_after`` of them); returns the
+    response's task and what was closed."""
+    from novainfer.entrypoints.openai.streaming import SSEResponse
+
+    closed: list[str] = []
+
+    async def body():
+        try:
+            for i in range(chunks):
+                if i == disconnect_after:
+                    client.gone.set()
+                yield f"data: {i}\n\n".encode()
+                await asyncio.sleep(0.01)
+        finally:
+            closed.append("body")
+
+    response = SSEResponse(body(), on_close=lambda: closed.append("on_close"))
+    task = asyncio.create_task(response({"type": "http", "asgi": {"version": "3.0"}}, client.receive, client.send))
+    return task, closed
+
+
+def test_sse_response_streams_every_event_and_closes():
+    async def main():
+        client = _SSEClient()
+        task, closed = await _run_sse(client, 3, None)
+        await asyncio.wait_for(task, 5)
+        assert client.bodies() == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+        assert client.sent[0]["type"] == "http.response.start" and closed == ["body", "on_close"]
+        assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+
+    asyncio.run(main())
+
+
+def test_sse_response_ends_quietly_when_the_client_disconnects():
+    """A disconnect stops the stream where it is (no further event), runs the cleanups and ends the
+    response without an error, as Starlette's own streaming response does."""
+    async def main():
+        client = _SSEClient()
+        task, closed = await _run_sse(client, 1000, 2)
+        await asyncio.wait_for(task, 5)
+        assert len(client.bodies()) <= 4 and client.bodies()[-1] != b""  # never finished the body
+        assert sorted(closed) == ["body", "on_close"] and not task.cancelled()
+
+    asyncio.run(main())
+
+
+def test_sse_response_task_cancelled_from_outside_stays_cancelled():
+    async def main():
+        client = _SSEClient()
+        task, closed = await _run_sse(client, 1000, None)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sorted(closed) == ["body", "on_close"]
+
+    asyncio.run(main())

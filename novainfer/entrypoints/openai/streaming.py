@@ -33,8 +33,11 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that always runs ``on_close``, however the stream ends.
 
-    Starlette cancels the body iterator when the client disconnects, possibly before the iterator
-    ever started (then its ``finally`` never runs); ``on_close`` is the guaranteed cleanup.
+    The body is streamed in the request's own task while one plain asyncio task waits for the
+    client's disconnect and cancels it (Starlette's response runs both in an anyio task group, whose
+    set-up cost about a tenth of the API process's time per streamed request in a burst). A
+    disconnect may come before the body iterator ever started (then its ``finally`` never runs):
+    ``on_close`` is the guaranteed cleanup.
     """
 
     media_type = "text/event-stream"
@@ -45,9 +48,26 @@ class SSEResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        disconnected = False
+
+        async def cancel_on_disconnect() -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            streaming.cancel()
+
+        watcher = asyncio.create_task(cancel_on_disconnect())
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            # Swallowed only when the disconnect alone cancelled the stream (Python < 3.11 cannot tell).
+            uncancel = getattr(streaming, "uncancel", None)
+            if not disconnected or (uncancel is not None and uncancel()):
+                raise
         finally:
+            watcher.cancel()
             self._on_close()
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
