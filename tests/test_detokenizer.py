@@ -245,3 +245,23 @@ def test_token_texts_are_single_token_decodes(tokenizer):
     expected = [tokenizer.decode([i]) for i in ids]
     assert texts(ids[:7]) == expected[:7]  # a first batch of misses
     assert texts(ids) == expected  # hits and misses mixed, repeated ids within one call
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_ends_on_character_never_claims_a_text_that_ends_inside_one(tokenizer, skip_special_tokens):
+    """Against the decoded text itself: whenever ``ends_on_character`` says yes, the decode of those
+    ids ends on a whole character (special tokens skipped or not); it says yes for ordinary text."""
+    texts = TokenTexts(tokenizer)
+    rng = random.Random(7)
+    byte_tokens = [i for i in range(200, 2000) if "\ufffd" in tokenizer.decode([i])][:50]
+    pool = list(range(len(tokenizer))) + byte_tokens * 300 + tokenizer.all_special_ids * 300
+    claims = 0
+    for _ in range(3000):
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 6))]
+        if texts.ends_on_character(ids):
+            claims += 1
+            text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            assert not text.endswith("\ufffd"), (ids, text)
+    assert claims > 1000
+    assert texts.ends_on_character(tokenizer.encode("Hello world")) and not texts.ends_on_character([])
+    assert not texts.ends_on_character(tokenizer.encode("🦜")[:1])

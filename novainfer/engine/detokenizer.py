@@ -56,7 +56,10 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        token_texts: TokenTexts | None = None,
     ) -> None:
+        """``token_texts``: single-token texts (a shared cache), which mostly saves decoding the
+        prompt's tail to check that it ends on a whole character."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._spaces_between_special_tokens = spaces_between_special_tokens
@@ -71,7 +74,8 @@ class IncrementalDetokenizer:
         # A prompt that ends inside a UTF-8 character would make the context
         # text and the context-plus-output text disagree on their common part,
         # so such a prompt is not used as context.
-        if self._decode(context).endswith(_REPLACEMENT_CHAR):
+        whole = token_texts is not None and token_texts.ends_on_character(context)
+        if not whole and self._decode(context).endswith(_REPLACEMENT_CHAR):
             self._window = []
             self._read_offset = 0
         self._context = list(self._window)
@@ -159,6 +163,16 @@ class TokenTexts:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend
         self._texts: dict[int, str] = {}
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+
+    def ends_on_character(self, token_ids: Sequence[int]) -> bool:
+        """Whether the text of ``token_ids`` surely ends on a whole character, from the last token
+        alone: an ordinary token whose own text has no replacement character is whole characters
+        (its bytes are valid on their own), and it is the end of the text whatever comes before it.
+        False where that cannot be told so (then decode to know)."""
+        if not token_ids or token_ids[-1] in self._special_ids:  # a skipped special token ends nothing
+            return False
+        return _REPLACEMENT_CHAR not in self([token_ids[-1]])[0]
 
     def __call__(self, token_ids: Sequence[int]) -> list[str]:
         texts = self._texts

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from novainfer.engine.detokenizer import IncrementalDetokenizer
+from novainfer.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from novainfer.engine.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ class OutputTextState:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         defer: bool = False,
-        token_texts: Callable[[Sequence[int]], list[str]] | None = None,
+        token_texts: TokenTexts | None = None,
     ) -> None:
         """``defer``: only the final text is wanted (no streaming); without stop strings the tokens
         are then decoded once, when the text is first read, instead of at every step.
@@ -47,6 +47,7 @@ class OutputTextState:
             prompt_token_ids,
             skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=spaces_between_special_tokens,
+            token_texts=token_texts,
         )
         self._stops = StopMatcher(stop)
         self._include_stop_str_in_output = include_stop_str_in_output
@@ -74,9 +75,9 @@ class OutputTextState:
         if self._deferred_ids is not None:
             self._deferred_ids += self._pending_ids
             self._text = self._detokenizer.decode_output(self._deferred_ids)
-        elif self._token_texts is not None and "\ufffd" not in self._token_texts(self._pending_ids[-1:])[0]:
-            # The last token is whole characters, so the batch cannot end inside one: its text is
-            # what feeding the tokens one at a time would have emitted, in one call.
+        elif self._token_texts is not None and self._token_texts.ends_on_character(self._pending_ids):
+            # The batch cannot end inside a character: its text is what feeding the tokens one at a
+            # time would have emitted, in one call.
             self._text += self._detokenizer.add_tokens(self._pending_ids)
         else:
             # One token at a time, as they came: a batch that ends inside a character would hold
