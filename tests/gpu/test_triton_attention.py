@@ -223,18 +223,21 @@ def test_decode_kernel_any_split_count(case, num_splits):
     assert_close(out, ref_out, f"decode with {num_splits} splits")
 
 
+@pytest.mark.parametrize("query_rows", [0, 2 ** 62], ids=["small-step-tile", "large-step-tile"])
 @pytest.mark.parametrize("case", QWEN_CASES[:2], ids=case_id)
-def test_prefill_kernel_alone_computes_decode_rows_too(case):
-    """The varlen kernel is a complete path on its own: it also serves single-query sequences."""
+def test_prefill_kernel_alone_computes_decode_rows_too(case, query_rows):
+    """The varlen kernel is a complete path on its own: it also serves single-query sequences, at
+    each tile ``prefill_tile_config`` may pick for a step's size."""
     ratio, head_size, block_size, dtype = case
     step = make_step(MIXED, ratio, head_size, block_size, dtype, seed=3)
     scale = head_size ** -0.5
     ref_out, k_cache, v_cache = reference(step, scale)
     metadata = step.metadata(TorchReferenceBackend())
     out = torch.full_like(step.query, float("nan"))
+    config = prefill_tile_config(head_size, query_rows, 132)
     prefill_attention(step.query, k_cache, v_cache, out, metadata.query_start_loc, metadata.seq_lens,
-                      metadata.block_tables, scale)
-    assert_close(out, ref_out, "prefill kernel on a mixed step")
+                      metadata.block_tables, scale, config=config)
+    assert_close(out, ref_out, f"prefill kernel on a mixed step with {config}")
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7])
@@ -262,22 +265,6 @@ def test_step_of_more_sequences_than_one_search_chunk():
     specs = [(i % 5, 1 + i % 3) for i in range(SEARCH_CHUNK + 44)]
     step = make_step(specs, 7, 64, 16, DTYPES[0], seed=12)
     check_backend_step(step, f"mixed step of {len(specs)} sequences")
-
-
-@pytest.mark.parametrize("query_rows", [0, 2 ** 62], ids=["small-step-tile", "large-step-tile"])
-@pytest.mark.parametrize("case", QWEN_CASES[:2], ids=case_id)
-def test_prefill_kernel_at_every_tile_size(case, query_rows):
-    """Each tile ``prefill_tile_config`` may pick for a step's size gives the oracle's rows."""
-    ratio, head_size, block_size, dtype = case
-    step = make_step(MIXED, ratio, head_size, block_size, dtype, seed=9)
-    scale = head_size ** -0.5
-    ref_out, k_cache, v_cache = reference(step, scale)
-    metadata = step.metadata(TorchReferenceBackend())
-    out = torch.full_like(step.query, float("nan"))
-    config = prefill_tile_config(head_size, query_rows, 132)
-    prefill_attention(step.query, k_cache, v_cache, out, metadata.query_start_loc, metadata.seq_lens,
-                      metadata.block_tables, scale, config=config)
-    assert_close(out, ref_out, f"prefill kernel with {config}")
 
 
 @pytest.mark.parametrize("case", QWEN_CASES[:2], ids=case_id)
