@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+import msgspec
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -14,42 +16,89 @@ class Logprob:
     decoded_token: str | None = None
 
 
+class StepLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """The logprobs of a step's positions, as columns: how they travel from the model runner to the
+    output processor, a few lists per step whatever the number of requests, which then refer to
+    their rows (``(block, first row)``; a request's rows are consecutive).
+
+    Row ``r`` has ``width`` entries of ``token_ids`` and ``logprobs`` from ``r * width``: the
+    sampled token, then the step's top ``width - 1`` alternatives by rank (which may repeat the
+    sampled token; a request that asked for fewer reads fewer); ``ranks[r]`` is the sampled token's
+    rank.
+    """
+
+    width: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+    def sampled_logprobs(self, first_row: int, count: int) -> list[float]:
+        """The sampled tokens' own logprobs at rows ``first_row`` ... ``first_row + count - 1``."""
+        width = self.width
+        return self.logprobs[first_row * width:(first_row + count) * width:width]
+
+    def rows(self, first_row: int, count: int, width: int | None = None) -> StepLogprobs:
+        """A block of its own holding ``count`` rows from ``first_row``, cut to ``width`` entries each."""
+        keep = self.width if width is None else min(width, self.width)
+        starts = range(first_row * self.width, (first_row + count) * self.width, self.width)
+        return StepLogprobs(keep, [t for start in starts for t in self.token_ids[start:start + keep]],
+                            [v for start in starts for v in self.logprobs[start:start + keep]],
+                            self.ranks[first_row:first_row + count])
+
+
+def join_rows(first: tuple[StepLogprobs, int, int], then: tuple[StepLogprobs, int, int]) -> StepLogprobs:
+    """One block of the rows ``(block, first row, count)`` of ``first`` followed by those of ``then``,
+    at the narrower of their widths (both hold every entry their request reads)."""
+    width = min(first[0].width, then[0].width)
+    a, b = first[0].rows(first[1], first[2], width), then[0].rows(then[1], then[2], width)
+    return StepLogprobs(width, a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks)
+
+
 class FlatLogprobs(Sequence):
     """A sequence's logprobs, one ``{token_id: Logprob}`` per position, kept in flat lists.
 
     Reads like ``list[dict[int, Logprob]]`` (each position's dict is built when indexed), but
-    appending a position creates no container objects: ints, floats and strings are not tracked by
-    the cyclic garbage collector, while a dict of ``Logprob`` per token of every running request
-    made its passes cost more than the decode step they ran in.
+    adding positions creates no container objects: ints, floats and strings are not tracked by the
+    cyclic garbage collector, while a dict of ``Logprob`` per token of every running request made
+    its passes cost more than the decode step they ran in. A step's positions are added from the
+    step's block in a few list operations, however many they are; they are copied (a reference to
+    the block would keep every other request's rows of it alive as long as this sequence runs).
+    Positions are stored as they come (the sampled token, then at most ``max_alternatives``
+    alternatives by rank); reading one lists the sampled token once, first, and gives each
+    alternative its rank.
 
     ``texts_of`` gives the tokens' texts (``Logprob.decoded_token``) when a position is read: the
     alternatives of every position are mostly tokens seen nowhere else, and decoding each when it
     arrives cost more than the step that produced it.
     """
 
-    __slots__ = ("_starts", "_token_ids", "_logprobs", "_ranks", "_texts_of")
+    __slots__ = ("_starts", "_token_ids", "_logprobs", "_ranks", "_width", "_texts_of")
 
-    def __init__(self, texts_of: Callable[[Sequence[int]], list[str]] | None = None) -> None:
+    def __init__(self, texts_of: Callable[[Sequence[int]], list[str]] | None = None,
+                 max_alternatives: int | None = None) -> None:
         self._starts = [0]  # position i holds entries _starts[i]:_starts[i + 1]
         self._token_ids: list[int] = []
         self._logprobs: list[float] = []
-        self._ranks: list[int] = []
+        self._ranks: list[int] = []  # per position: the sampled token's rank
+        self._width = None if max_alternatives is None else max_alternatives + 1
         self._texts_of = texts_of
+
+    def add_rows(self, block: StepLogprobs, first_row: int, count: int) -> None:
+        """Adds ``count`` positions: rows ``first_row`` ... of ``block``."""
+        width = block.width
+        if self._width is not None and self._width < width:
+            block, first_row, width = block.rows(first_row, count, self._width), 0, self._width
+        begin, end = first_row * width, (first_row + count) * width
+        offset = len(self._token_ids)
+        self._token_ids += block.token_ids[begin:end]
+        self._logprobs += block.logprobs[begin:end]
+        self._ranks += block.ranks[first_row:first_row + count]
+        self._starts += range(offset + width, offset + end - begin + 1, width)
 
     def append_position(self, token_ids: list[int], logprobs: list[float], rank: int) -> None:
         """Adds a position: the sampled token (its ``rank`` in the distribution) first, then the
-        top alternatives by rank (1, 2, ...); the sampled token is not repeated among them."""
-        # Whole-list extends rather than a loop over the entries: this runs for every running request
-        # in every step that asks for logprobs.
-        self._token_ids += token_ids
-        self._logprobs += logprobs
-        self._ranks.append(rank)
-        self._ranks += range(1, len(token_ids))
-        sampled = token_ids[0]
-        if token_ids.count(sampled) > 1:  # also among the alternatives: listed once, first
-            repeat = len(self._token_ids) - len(token_ids) + token_ids.index(sampled, 1)
-            del self._token_ids[repeat], self._logprobs[repeat], self._ranks[repeat]
-        self._starts.append(len(self._token_ids))
+        top alternatives by rank (1, 2, ...)."""
+        self.add_rows(StepLogprobs(len(token_ids), token_ids, logprobs, [rank]), 0, 1)
 
     def __len__(self) -> int:
         return len(self._starts) - 1
@@ -70,19 +119,22 @@ class FlatLogprobs(Sequence):
         start, end = self._starts[index], self._starts[index + 1]
         ids = self._token_ids[start:end]
         texts = self._texts_of(ids) if self._texts_of is not None else [None] * len(ids)
-        return {token_id: Logprob(self._logprobs[i], self._ranks[i], text)
-                for i, token_id, text in zip(range(start, end), ids, texts)}
+        entry = {ids[0]: Logprob(self._logprobs[start], self._ranks[index], texts[0])}
+        for rank in range(1, end - start):  # the sampled token keeps its own entry
+            entry.setdefault(ids[rank], Logprob(self._logprobs[start + rank], rank, texts[rank]))
+        return entry
 
     def _slice(self, start: int, stop: int, step: int) -> FlatLogprobs:
         if step != 1:
             raise ValueError(f"FlatLogprobs slices take step 1, got {step}")
         part = FlatLogprobs(self._texts_of)
+        part._width = self._width
         stop = max(start, stop)
         lo, hi = self._starts[start], self._starts[stop]
         part._starts = [s - lo for s in self._starts[start:stop + 1]]
         part._token_ids = self._token_ids[lo:hi]
         part._logprobs = self._logprobs[lo:hi]
-        part._ranks = self._ranks[lo:hi]
+        part._ranks = self._ranks[start:stop]
         return part
 
     def __eq__(self, other: Any) -> bool:

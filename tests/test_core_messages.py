@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreStats
 from novainfer.engine.serial import StepOutputs, core_message_decoder, core_message_encoder
+from novainfer.outputs import StepLogprobs
 
 
 def _rows(message: EngineCoreOutputs) -> list[EngineCoreOutput]:
@@ -11,7 +12,8 @@ def _rows(message: EngineCoreOutputs) -> list[EngineCoreOutput]:
     finished = {i: (r, s) for i, r, s in zip(message.finished, message.finish_reasons, message.stop_reasons)}
     started = {i: (n, t) for i, n, t in zip(message.started, message.num_cached_tokens,
                                              message.first_scheduled_times)}
-    logprobs = dict(zip(message.with_logprobs, message.logprobs))
+    logprobs = {i: (message.logprobs_blocks[b], row)
+                for i, b, row in zip(message.with_logprobs, message.logprobs_block_index, message.logprobs_rows)}
     rows, offset = [], 0
     for i, (request_id, num) in enumerate(zip(message.request_ids, message.num_new_tokens)):
         reason, stop = finished.get(i, (None, None))
@@ -27,6 +29,11 @@ def _through_wire(message: EngineCoreOutputs) -> EngineCoreOutputs:
     return core_message_decoder.decode(core_message_encoder.encode(StepOutputs(message))).outputs
 
 
+# Logprob rows of two steps (width 2: the sampled token, then the top alternative).
+STEP = StepLogprobs(2, [33, 4, 31, 4, 32, 31], [-0.1, -2.0, -0.5, -1.5, -0.25, -0.7], [1, 2, 1])
+OTHER_STEP = StepLogprobs(2, [34, 34], [-0.3, -0.3], [1])
+
+
 def test_a_mixed_step_survives_the_columns_and_the_wire():
     outputs = [
         EngineCoreOutput("decoding", [11]),
@@ -35,11 +42,15 @@ def test_a_mixed_step_survives_the_columns_and_the_wire():
         EngineCoreOutput("eos", [2], finish_reason="stop"),
         EngineCoreOutput("stop-id", [7, 9], finish_reason="stop", stop_reason=9),
         EngineCoreOutput("length", [21], finish_reason="length", num_cached_tokens=0, first_scheduled_time=6.0),
-        EngineCoreOutput("logprobs", [31, 32], new_logprobs=[([31, 4], [-0.5, -1.5], 1), ([32], [-0.25], 1)]),
+        EngineCoreOutput("logprobs", [31, 32], new_logprobs=(STEP, 1)),
+        EngineCoreOutput("logprobs-too", [33], new_logprobs=(STEP, 0)),
+        EngineCoreOutput("joined-steps", [34], new_logprobs=(OTHER_STEP, 0)),
         EngineCoreOutput("aborted-empty", [], finish_reason="abort"),
     ]
     stats = EngineCoreStats(num_running_reqs=3, num_steps=7)
-    message = _through_wire(EngineCoreOutputs.from_outputs(outputs, stats, 123.5))
+    columns = EngineCoreOutputs.from_outputs(outputs, stats, 123.5)
+    assert columns.logprobs_blocks == [STEP, OTHER_STEP]  # each block once, however many requests use it
+    message = _through_wire(columns)
     assert _rows(message) == outputs
     assert message.stats == stats and message.timestamp == 123.5
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from novainfer.outputs import FlatLogprobs, Logprob
+from novainfer.outputs import FlatLogprobs, Logprob, StepLogprobs, join_rows
 
 
 def reference_position(ids: list[int], values: list[float], rank: int, texts: list) -> dict[int, Logprob]:
@@ -53,3 +53,40 @@ def test_reads_like_the_list_of_dicts(seed, texts_of):
     with pytest.raises(IndexError, match="position 40 out of range for 40 positions"):
         flat[40]
     assert flat != expected[:-1] and flat != expected[:-1] + [{}]
+
+
+def _block(positions: list[tuple], width: int) -> StepLogprobs:
+    """The rows of ``positions`` (each with at least ``width`` entries) as one step block."""
+    return StepLogprobs(width, [t for ids, _, _ in positions for t in ids[:width]],
+                        [v for _, values, _ in positions for v in values[:width]], [rank for _, _, rank in positions])
+
+
+@pytest.mark.parametrize("asked", [5, 2, 0])
+def test_rows_of_step_blocks_read_like_appending_each_position(asked):
+    """A request's positions added from rows of step blocks (several requests' rows in
+    each, the request asking for fewer alternatives than the step holds, some steps joined) read as
+    the positions appended one by one, cut to what it asked for."""
+    rng = random.Random(asked)
+    width = 6
+
+    def position():
+        top = rng.sample(range(50), width - 1)
+        sampled = rng.choice(top) if rng.random() < 0.5 else rng.randrange(50)
+        return [sampled] + top, [-rng.random() * 5 for _ in range(width)], rng.randint(1, 40)
+
+    mine = [position() for _ in range(9)]
+    expected = FlatLogprobs(token_texts)
+    for ids, values, rank in mine:
+        expected.append_position(ids[:asked + 1], values[:asked + 1], rank)
+    got = FlatLogprobs(token_texts, max_alternatives=asked)
+    # Step 1: another request's 2 rows, then my 3; step 2: my 1 row after 4 others; steps 3 and 4
+    # (joined, as when one message carries two steps): my 2 rows, then my last 3 at a narrower width.
+    step1 = _block([position(), position()] + mine[0:3], width)
+    step2 = _block([position() for _ in range(4)] + mine[3:4], width)
+    step3, step4 = _block(mine[4:6], width), _block([position()] + mine[6:9], asked + 1)
+    got.add_rows(step1, 2, 3)
+    got.add_rows(step2, 4, 1)
+    got.add_rows(join_rows((step3, 0, 2), (step4, 1, 3)), 0, 5)
+    assert len(got) == 9 and got == expected and list(got) == list(expected)
+    assert got[3:7] == expected[3:7] and got[-1] == expected[-1] and got[9:] == []
+    assert step1.sampled_logprobs(2, 3) == [values[0] for _, values, _ in mine[0:3]]

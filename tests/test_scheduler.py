@@ -8,6 +8,7 @@ import pytest
 from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.sched.request import Request, RequestStatus
 from novainfer.core.sched.scheduler import Scheduler, SchedulerConfig
+from novainfer.outputs import StepLogprobs
 from novainfer.sampling_params import SamplingParams
 
 EOS = 2
@@ -146,10 +147,11 @@ def test_tokens_of_a_request_finished_while_in_flight_are_dropped():
     assert scheduler.schedule().finished_req_ids == {"a"}  # the workers are told to drop it
 
 
-@pytest.mark.parametrize("logprobs", [None, ([7, 3], [-0.5, -1.5], 1)])
-def test_logprobs_travel_with_their_token(logprobs):
+@pytest.mark.parametrize("first_row", [-1, 1])
+def test_logprobs_travel_with_their_token(first_row):
     scheduler = make_scheduler()
     add(scheduler, "a", 4, max_tokens=1, ignore_eos=True)
     _, (rids, tokens) = FakeRunner().schedule(scheduler)
-    [out] = scheduler.update_from_output(rids, tokens, [None if logprobs is None else [logprobs]])
-    assert out.new_logprobs == (None if logprobs is None else [logprobs])
+    block = StepLogprobs(2, [5, 1, 7, 3], [-0.1, -2.0, -0.5, -1.5], [1, 1])
+    [out] = scheduler.update_from_output(rids, tokens, block, [first_row])
+    assert out.new_logprobs == (None if first_row < 0 else (block, 1))

@@ -23,6 +23,7 @@ from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.sched.request import Request
 from novainfer.core.sched.scheduler import Scheduler, SchedulerConfig
 from novainfer.engine.arg_utils import EngineArgs
+from novainfer.outputs import StepLogprobs
 from tests.test_spec_decode_parts import reference_ngram
 from tests.test_step_graphs import emulated_graphs  # noqa: F401 (a fixture)
 from tests.utils import SMALL_KV, hf_greedy, hf_logits, random_ids, tiny_model
@@ -186,11 +187,12 @@ def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_dr
     assert so.num_scheduled_tokens == {"stops": 5, "goes-on": 5}
     assert so.scheduled_spec_decode_tokens == {"stops": [21, 99, 23, 24], "goes-on": [21, 99, 23, 24]}
     going_on = scheduler.requests["goes-on"]
-    logprobs = {token: ([token], [-0.5], 1) for token in (21, 99, 23, 30)}
-    stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]], [
-        [logprobs[t] for t in (21, 99, 23, 30)], None])
+    block = StepLogprobs(1, [21, 99, 23, 30], [-0.5, -0.25, -1.0, -2.0], [1, 1, 1, 1])
+    stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]], block,
+                                                    [0, -1])
     assert stopped.new_token_ids == [21, 99] and stopped.finish_reason == "stop" and stopped.stop_reason == 99
-    assert stopped.new_logprobs == [logprobs[21], logprobs[99]]  # the dropped tokens' logprobs are dropped too
+    # Its logprobs are the block's rows from 0, one per token it kept: none of the dropped tokens.
+    assert stopped.new_logprobs == (block, 0) and went_on.new_logprobs is None
     assert went_on.new_token_ids == [21, 30] and went_on.finish_reason is None
     # Prompt 5 + 3 outputs known; the newest (30) is not computed yet, nor the rejected drafts.
     assert going_on.all_token_ids == [10, 11, 12, 13, 14, 20, 21, 30] and going_on.num_computed_tokens == 7

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from novainfer.outputs import StepLogprobs
+
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One sequence to generate. ``sampling_params`` is a SamplingParams in the process that uses it
@@ -33,9 +35,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
     request_id: str
     new_token_ids: list[int]
-    # Per new token, when the request asked for logprobs: (token ids, logprobs, rank of the sampled
-    # token); index 0 of the lists is the sampled token, then the top alternatives.
-    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # When the request asked for logprobs: those of its new tokens, as (block, row of the first);
+    # the block holds one row per new token from there.
+    new_logprobs: tuple[StepLogprobs, int] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | None = None  # the stop token id that ended it (stop strings are the front-end's)
     # Sent with a request's first output only.
@@ -87,9 +89,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     num_cached_tokens: list[int] = []  # per started request
     first_scheduled_times: list[float | None] = []  # per started request
     with_logprobs: list[int] = []  # indices of the requests that asked for logprobs
-    # Per request with logprobs, per new token: (token ids, logprobs, rank of the sampled token);
-    # index 0 of the lists is the sampled token, then the top alternatives.
-    logprobs: list[list[tuple[list[int], list[float], int]]] = []
+    # Their logprobs: the step's blocks (one, or more where a message carries several steps), and per
+    # request with logprobs the index of its block and the row of its first new token there.
+    logprobs_blocks: list[StepLogprobs] = []
+    logprobs_block_index: list[int] = []
+    logprobs_rows: list[int] = []
     stats: EngineCoreStats | None = None
     timestamp: float = 0.0  # time.time() when the step's tokens were known
 
@@ -106,6 +110,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         finished = [i for i in rare if outputs[i].finish_reason is not None]
         started = [i for i in rare if outputs[i].num_cached_tokens >= 0]
         with_logprobs = [i for i in rare if outputs[i].new_logprobs is not None]
+        blocks: dict[int, tuple[int, StepLogprobs]] = {}  # id of a block -> (its index here, the block)
+        block_index = [blocks.setdefault(id(block), (len(blocks), block))[0]
+                       for block, _ in (outputs[i].new_logprobs for i in with_logprobs)]
         return cls(request_ids=[o.request_id for o in outputs],
                    num_new_tokens=[len(o.new_token_ids) for o in outputs],
                    token_ids=[token for o in outputs for token in o.new_token_ids],
@@ -113,5 +120,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
                    stop_reasons=[outputs[i].stop_reason for i in finished],
                    started=started, num_cached_tokens=[outputs[i].num_cached_tokens for i in started],
                    first_scheduled_times=[outputs[i].first_scheduled_time for i in started],
-                   with_logprobs=with_logprobs, logprobs=[outputs[i].new_logprobs for i in with_logprobs],
+                   with_logprobs=with_logprobs, logprobs_blocks=[block for _, block in blocks.values()],
+                   logprobs_block_index=block_index,
+                   logprobs_rows=[outputs[i].new_logprobs[1] for i in with_logprobs],
                    stats=stats, timestamp=timestamp)

@@ -27,6 +27,7 @@ from novainfer.core.sched.output import SchedulerOutput
 from novainfer.core.sched.request import Request, RequestStatus
 from novainfer.core.sched.scheduler import Scheduler, SchedulerStats
 from novainfer.executor.abstract import Executor
+from novainfer.outputs import join_rows
 from novainfer.spec_decode.ngram_proposer import NgramProposer
 from novainfer.worker.model_runner import ModelRunnerOutput
 
@@ -155,7 +156,7 @@ class EngineCore:
         outputs = []
         for runner_output in runner_outputs:
             outputs += self.scheduler.update_from_output(runner_output.req_ids, runner_output.sampled_token_ids,
-                                                         runner_output.logprobs)
+                                                         runner_output.logprobs, runner_output.logprobs_rows)
         return outputs
 
     def _propose_drafts(self, runner_outputs: list[ModelRunnerOutput]) -> None:
@@ -286,8 +287,10 @@ def _merge(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         if first is None:
             merged[output.request_id] = output
             continue
+        if first.new_logprobs is not None and output.new_logprobs is not None:
+            joined = join_rows((*first.new_logprobs, len(first.new_token_ids)),
+                               (*output.new_logprobs, len(output.new_token_ids)))
+            first.new_logprobs = (joined, 0)
         first.new_token_ids += output.new_token_ids
-        if output.new_logprobs is not None:
-            first.new_logprobs = (first.new_logprobs or []) + output.new_logprobs
         first.finish_reason, first.stop_reason = output.finish_reason, output.stop_reason
     return list(merged.values())

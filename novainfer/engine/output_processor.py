@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from novainfer.engine.detokenizer import TokenTexts
 from novainfer.engine.output_text import OutputTextState
-from novainfer.outputs import CompletionOutput, FlatLogprobs, RequestMetrics, RequestOutput
+from novainfer.outputs import CompletionOutput, FlatLogprobs, RequestMetrics, RequestOutput, StepLogprobs
 from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -84,7 +84,7 @@ class OutputProcessor:
                                        token_texts=self.token_texts)
             logprobs = None
             if params.logprobs is not None:  # token texts only where the text is detokenized
-                logprobs = FlatLogprobs(self.token_texts if text is not None else None)
+                logprobs = FlatLogprobs(self.token_texts if text is not None else None, params.logprobs)
             child = ChildState(request.request_id, index, params, text, logprobs,
                                0.0 if logprobs is not None else None)
             parent.children.append(child)
@@ -124,7 +124,11 @@ class OutputProcessor:
         # The sparse columns by request index (most steps have none: decode steps without logprobs).
         finished = dict(zip(m.finished, zip(m.finish_reasons, m.stop_reasons))) if m.finished else {}
         started = dict(zip(m.started, zip(m.num_cached_tokens, m.first_scheduled_times))) if m.started else {}
-        logprobs = dict(zip(m.with_logprobs, m.logprobs)) if m.with_logprobs else {}
+        logprobs = {}  # request index -> (block, row of its first new token)
+        if m.with_logprobs:
+            blocks = m.logprobs_blocks
+            logprobs = {index: (blocks[block], row)
+                        for index, block, row in zip(m.with_logprobs, m.logprobs_block_index, m.logprobs_rows)}
         children = self.children
         token_ids = m.token_ids
         end = 0
@@ -163,8 +167,7 @@ class OutputProcessor:
             parent.metrics.first_scheduled_time = first_scheduled_time
             parent.metrics.first_token_time = now
 
-    def _apply(self, child: ChildState, new_ids: list[int],
-               new_logprobs: list[tuple[list[int], list[float], int]] | None,
+    def _apply(self, child: ChildState, new_ids: list[int], new_logprobs: tuple[StepLogprobs, int] | None,
                finish: tuple[str, int | None] | None) -> None:
         """Adds a sequence's new tokens, detokenizes them and checks stop strings; ``finish``: the
         core's (finish reason, stop reason) when the sequence finished in the core."""
@@ -176,8 +179,7 @@ class OutputProcessor:
         if child.text is None or not params.stop:
             child.token_ids += new_ids
             if new_logprobs is not None:
-                for logprobs in new_logprobs:
-                    self._add_logprobs(child, logprobs)
+                self._add_logprobs(child, *new_logprobs, len(new_ids))
             if child.text is not None and num_text > 0:
                 child.text.append_tokens(new_ids[:num_text])
         else:
@@ -185,7 +187,7 @@ class OutputProcessor:
             for position, token in enumerate(new_ids):
                 child.token_ids.append(token)
                 if new_logprobs is not None:
-                    self._add_logprobs(child, new_logprobs[position])
+                    self._add_logprobs(child, new_logprobs[0], new_logprobs[1] + position, 1)
                 if position < num_text:
                     stop_str = child.text.append_tokens([token])
                     if stop_str is not None:
@@ -194,10 +196,12 @@ class OutputProcessor:
         if finish is not None:
             child.finish_reason, child.stop_reason = finish
 
-    def _add_logprobs(self, child: ChildState, logprobs: tuple[list[int], list[float], int]) -> None:
-        ids, values, rank = logprobs
-        child.logprobs.append_position(ids, values, rank)
-        child.cumulative_logprob += values[0]
+    def _add_logprobs(self, child: ChildState, block: StepLogprobs, first_row: int, count: int) -> None:
+        child.logprobs.add_rows(block, first_row, count)
+        if count == 1:  # a decode step's one token (most calls): no list for the sum
+            child.cumulative_logprob += block.logprobs[first_row * block.width]
+        else:
+            child.cumulative_logprob += sum(block.sampled_logprobs(first_row, count))
 
     def _finish(self, parent: ParentState, child: ChildState, now: float) -> None:
         parent.num_unfinished -= 1

@@ -30,6 +30,7 @@ from novainfer.core.sched.output import SchedulerOutput
 from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.model_loader import load_model
 from novainfer.models.compile import compile_model
+from novainfer.outputs import StepLogprobs
 from novainfer.sample import Sampler, SamplingStateTable
 from novainfer.sample.metadata import SamplingMetadata
 from novainfer.sample.rejection_sampler import (RejectionSamplerOutput, add_preceding_drafts, greedy_verify,
@@ -197,9 +198,10 @@ class ModelRunnerOutput:
     req_ids: list[str]
     # Per request, its new tokens: one, or with speculative decoding its accepted drafts and one more.
     sampled_token_ids: list[list[int]]
-    # Per sampled request, when it asked for logprobs, per new token: (token ids, logprobs, rank of
-    # the sampled token); index 0 of the lists is the sampled token, then the top alternatives.
-    logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
+    # The logprobs of the new tokens of the requests that asked for them, one row per token, and
+    # per request of ``req_ids`` the row of its first new token (-1: it asked for none).
+    logprobs: StepLogprobs | None = None
+    logprobs_rows: list[int] | None = None
     # Per request of ``req_ids``, the drafts a draft model proposes for its next step (speculative
     # decoding's "draft_model" method; None otherwise).
     draft_token_ids: list[list[int]] | None = None
@@ -766,16 +768,29 @@ class ModelRunner:
         for state, new_tokens in zip(step.states, tokens):
             state.token_ids.extend(new_tokens)
             state.output_token_ids.extend(new_tokens)
-        logprobs_lists = None
-        if logprobs is not None:
-            ids, values, ranks = (a.tolist() for a in logprobs)
-            logprobs_lists = []
-            for b, (state, new_tokens) in enumerate(zip(step.states, tokens)):
-                n = state.sampling_params.logprobs
-                rows = range(b * step.num_positions, b * step.num_positions + len(new_tokens))
-                logprobs_lists.append(None if n is None else [(ids[r][:n + 1], values[r][:n + 1], ranks[r])
-                                                              for r in rows])
-        return ModelRunnerOutput([s.req_id for s in step.states], tokens, logprobs_lists)
+        req_ids = [s.req_id for s in step.states]
+        if logprobs is None:
+            return ModelRunnerOutput(req_ids, tokens)
+        return ModelRunnerOutput(req_ids, tokens, *ModelRunner._logprobs_block(step, *logprobs))
+
+    @staticmethod
+    def _logprobs_block(step: SampledStep, ids: np.ndarray, values: np.ndarray,
+                        ranks: np.ndarray) -> tuple[StepLogprobs, list[int]]:
+        """A step's logprob rows (``num_positions`` per request) as one block, and each request's
+        first row in it (-1 where it asked for none): the whole arrays in three conversions when
+        every request asked (no work per request), else the rows of those that did."""
+        num_positions = step.num_positions
+        asked = [state.sampling_params.logprobs is not None for state in step.states]
+        if all(asked):
+            return (StepLogprobs(ids.shape[1], ids.ravel().tolist(), values.ravel().tolist(), ranks.tolist()),
+                    list(range(0, len(asked) * num_positions, num_positions)))
+        requests = np.flatnonzero(asked)
+        rows = (requests[:, None] * num_positions + np.arange(num_positions)).ravel()
+        first_rows = [-1] * len(asked)
+        for index, request in enumerate(requests.tolist()):
+            first_rows[request] = index * num_positions
+        return (StepLogprobs(ids.shape[1], ids[rows].ravel().tolist(), values[rows].ravel().tolist(),
+                             ranks[rows].tolist()), first_rows)
 
     def is_replay_only(self, staged: StagedStep) -> bool:
         """Whether running ``staged`` here is a copy and a CUDA-graph replay, with no collective

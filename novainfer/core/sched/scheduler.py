@@ -25,6 +25,7 @@ from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.messages import EngineCoreOutput
 from novainfer.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from novainfer.core.sched.request import Request, RequestStatus
+from novainfer.outputs import StepLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -266,25 +267,26 @@ class Scheduler:
                                        request.num_computed_tokens))
 
     def update_from_output(self, req_ids: Iterable[str], sampled_token_ids: Iterable[list[int]],
-                           logprobs: Iterable[list[tuple[list[int], list[float], int]] | None] | None = None
+                           logprobs: StepLogprobs | None = None, logprobs_rows: Iterable[int] | None = None
                            ) -> list[EngineCoreOutput]:
         """Fills in a step's sampled tokens (per request: one, or with speculative decoding its
         accepted drafts and one more), applies the token-level stop conditions token by token and
         frees the requests they end; returns one output per request that got tokens. A stop ends
-        a request at its token: the tokens after it are dropped. ``logprobs``: per request, those
-        of each of its tokens (or None).
+        a request at its token: the tokens after it are dropped. ``logprobs``: the step's logprob
+        rows, and per request the row of its first token (-1: none); an output refers to its rows
+        (as many as it has tokens, so none of the dropped tokens).
 
         Requests finished since the step was scheduled are skipped. A request preempted since
         then keeps its tokens: they are part of what it recomputes when it resumes.
         """
         outputs = []
-        for rid, tokens, token_logprobs in zip(req_ids, sampled_token_ids, logprobs or itertools.repeat(None)):
+        for rid, tokens, first_row in zip(req_ids, sampled_token_ids, logprobs_rows or itertools.repeat(-1)):
             request = self.requests.get(rid)
             if request is None:
                 continue
             if request.spec_token_ids:
                 self._take_back_rejected(request, len(tokens) - 1)
-            output = EngineCoreOutput(rid, [], token_logprobs)
+            output = EngineCoreOutput(rid, [], None if first_row < 0 else (logprobs, first_row))
             for token in tokens:
                 request.append_output_token(token)
                 output.new_token_ids.append(token)
@@ -297,8 +299,6 @@ class Scheduler:
                     output.finish_reason = request.get_finished_reason()
                     output.stop_reason = request.stop_reason
                     break
-            if token_logprobs is not None:
-                del token_logprobs[len(output.new_token_ids):]  # those of the tokens dropped after a stop
             outputs.append(output)
         return outputs
 
