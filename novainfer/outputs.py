@@ -18,8 +18,8 @@ class Logprob:
 
 class StepLogprobs(msgspec.Struct, array_like=True, gc=False):
     """The logprobs of a step's positions, as columns: how they travel from the model runner to the
-    output processor, a few lists per step whatever the number of requests, which then refer to
-    their rows (``(block, first row)``; a request's rows are consecutive).
+    output processor, a few lists per step whatever the number of requests; each request's output
+    refers to its rows as ``(block, first row)`` (a request's rows are consecutive).
 
     Row ``r`` has ``width`` entries of ``token_ids`` and ``logprobs`` from ``r * width``: the
     sampled token, then the step's top ``width - 1`` alternatives by rank (which may repeat the
