@@ -5,7 +5,8 @@ setting's rows have 300 output and 500 prompt tokens of history (for the penalti
 (setting, batch size) the sampler is called ``--warmup`` times, then ``--calls`` times, and the
 mean wall time per call (device synchronised at the end) is recorded, with the same rows through
 the sorting path: the torch stages over the whole vocabulary (penalties, temperature, top-k / top-p
-masks on the sorted row, min-p, the exponential race), which the CUDA kernels replace.
+masks on the sorted row, min-p, the exponential race, and logprobs from a log-softmax where asked),
+which the CUDA kernels replace.
 
     python benchmarks/sampler.py                                # CPU, a small vocabulary
     python benchmarks/sampler.py --device cuda --vocab-size 151936 --dtype bfloat16
@@ -72,7 +73,9 @@ def mean_call_ms(fn: Callable[[], Any], warmup: int, calls: int, synchronize: Ca
 
 
 def sorting_path(logits, metadata):
-    """The torch stages over the whole vocabulary (what the CUDA kernels replace)."""
+    """The torch stages over the whole vocabulary (what the CUDA kernels replace): the tokens, and
+    where the rows ask for logprobs, also (the sampled tokens' and the top alternatives' logprobs,
+    the sampled tokens' ranks) from a [B, V] log-softmax."""
     import torch
 
     from novainfer.sample.sampler import (apply_penalties_and_min_tokens, exponential_draws, random_sample,
@@ -81,7 +84,13 @@ def sorting_path(logits, metadata):
     probs = sampling_probs(apply_penalties_and_min_tokens(logits, metadata).float(), metadata)
     drawn = random_sample(probs, exponential_draws(probs, torch.arange(logits.shape[-1], device=logits.device),
                                                    metadata))
-    return torch.where(metadata.is_greedy, logits.argmax(dim=-1), drawn)
+    tokens = torch.where(metadata.is_greedy, logits.argmax(dim=-1), drawn)
+    if metadata.max_num_logprobs is None:
+        return tokens
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    sampled = logprobs.gather(-1, tokens.unsqueeze(1))
+    top = logprobs.topk(metadata.max_num_logprobs, dim=-1).values
+    return tokens, torch.cat([sampled, top], dim=1), (logprobs > sampled).sum(dim=-1) + 1
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -30,3 +30,16 @@ def test_the_sorting_path_draws_the_samplers_tokens_for_seeded_rows():
     logits = torch.randn(len(params), 300, generator=torch.Generator().manual_seed(0)) * 3
     metadata = SamplingMetadata.from_requests(params, [[1, 2]] * len(params), [[3]] * len(params), "cpu", 300)
     assert bench.sorting_path(logits, metadata).tolist() == Sampler()(logits, metadata).sampled_token_ids.tolist()
+
+
+def test_the_sorting_path_gives_the_samplers_logprobs():
+    """Where rows ask for logprobs, the sorting path computes them too (so that its time counts the
+    same work): the sampled tokens' and the top alternatives' logprobs and the sampled ranks."""
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.9, seed=4, logprobs=1)]
+    logits = torch.randn(len(params), 300, generator=torch.Generator().manual_seed(1)) * 3
+    metadata = SamplingMetadata.from_requests(params, [[1, 2]] * len(params), [[3]] * len(params), "cpu", 300)
+    tokens, logprobs, ranks = bench.sorting_path(logits, metadata)
+    out = Sampler()(logits, metadata)
+    assert tokens.tolist() == out.sampled_token_ids.tolist()
+    torch.testing.assert_close(logprobs, out.logprobs.logprobs)
+    assert ranks.tolist() == out.logprobs.sampled_token_ranks.tolist()
