@@ -1,7 +1,13 @@
 """``LLM(..., multiprocess=True)``: the engine core in a process of its own under the offline API
-gives the same outputs as the in-process engine, and its process ends with ``shutdown``."""
+gives the same outputs as the in-process engine, and its process ends with ``shutdown`` or, for a
+script that never calls it, when the script exits."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -38,3 +44,22 @@ def test_multiprocess_llm_equals_in_process():
         pytest.approx([lp[t].logprob for t, lp in zip(expected[2].outputs[0].token_ids,
                                                         expected[2].outputs[0].logprobs)], abs=1e-4)
     assert streamed == expected[0].outputs[0].text
+
+
+def test_script_without_shutdown_exits(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        from novainfer import LLM, SamplingParams
+
+        if __name__ == "__main__":
+            llm = LLM({str(tiny_model())!r}, kv_cache_memory_bytes={KV_BYTES}, multiprocess=True)
+            out = llm.generate(["Hello"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+            print(llm.llm_engine.engine_core.pid, len(out[0].outputs[0].token_ids), flush=True)
+    """))
+    # Without the exit handler this never returns: multiprocessing waits for the core, the core for us.
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    core_pid, num_tokens = map(int, done.stdout.split())
+    assert num_tokens == 3
+    with pytest.raises(ProcessLookupError):  # the core process is gone (and reaped) as well
+        os.kill(core_pid, 0)

@@ -9,12 +9,15 @@ killed), :meth:`CoreClient.get_output` raises :class:`EngineDeadError` naming th
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import shutil
 import tempfile
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -34,6 +37,23 @@ _STOP_GRACE_S = 5.0
 
 class EngineDeadError(RuntimeError):
     """The engine core failed (or was shut down); no request can be served by it any more."""
+
+
+def _shutdown_at_exit(client: CoreClient) -> Callable[[], None]:
+    """An exit handler that shuts ``client`` down if it is still alive then (held weakly).
+
+    At exit multiprocessing joins every non-daemon child before this process ends, while an engine
+    core process waits for this one to end: a script that never called shutdown() would hang. Exit
+    handlers run last registered first, and multiprocessing's own is registered by the time a
+    process has started, so this one, registered after, stops the core before that join."""
+    ref = weakref.ref(client)
+
+    def shutdown() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.shutdown()
+
+    return shutdown
 
 
 class CoreClient:
@@ -60,6 +80,7 @@ class CoreClient:
         self._send_lock = threading.Lock()  # sends may come from any thread; the socket is not thread-safe
         self.engine_core: EngineCore | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._exit_handler: Callable[[], None] | None = None
         self._thread: threading.Thread | None = None
         self._loop = None
         self.dead_error: EngineDeadError | None = None
@@ -75,12 +96,14 @@ class CoreClient:
                 from novainfer.engine.core_proc import run_engine_core
 
                 log_level = logging.getLogger("novainfer").getEffectiveLevel()
-                # Not a daemon: the core's own ``mp`` workers are its children. It ends with this
-                # process anyway (it watches its parent), and shutdown() stops it.
+                # Not a daemon: the core's own ``mp`` workers are its children. shutdown() stops it,
+                # at the latest when this process exits.
                 self._process = multiprocessing.get_context("spawn").Process(
                     target=run_engine_core, name=f"novainfer-core-{name}", daemon=False,
                     args=(config, input_address, output_address, log_level, log_stats_interval))
                 self._process.start()
+                self._exit_handler = _shutdown_at_exit(self)
+                atexit.register(self._exit_handler)
             self.info = self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -212,6 +235,8 @@ class CoreClient:
         if self._closed:
             return
         self._closed = True
+        if self._exit_handler is not None:
+            atexit.unregister(self._exit_handler)
         try:
             with self._send_lock:
                 self._input.send(self._encoder.shutdown(), zmq.NOBLOCK)
