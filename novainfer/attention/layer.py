@@ -79,9 +79,6 @@ def attention_context(metadata: AttentionMetadata, layers: Mapping[str, Attentio
         _context.step = previous
 
 
-# The backend may rotate ``q`` in place (the Triton store does): declared, so that a compiled graph
-# never reads the query rows expecting them unrotated. The KV caches it writes live outside the graph.
-@torch.library.custom_op("novainfer::attention", mutates_args=("q",))
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
                   layer_name: str) -> torch.Tensor:
     step = getattr(_context, "step", None)
@@ -91,6 +88,18 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     return layers[layer_name](q, k, v, metadata, positions)
 
 
-@_attention_op.register_fake
-def _(q, k, v, positions, layer_name):
+def _attention_op_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
+                       layer_name: str) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# Registered on the dispatcher directly rather than through ``torch.library.custom_op``, whose Python
+# wrapper (output aliasing checks, autograd and in-place/view bookkeeping) costs several times the
+# dispatch itself on every call, 24 times per step. The schema declares that the backend may rotate
+# ``q`` in place (the Triton store does), so that a compiled graph never reads the query rows
+# expecting them unrotated. The KV caches it writes live outside the graph.
+_library = torch.library.Library("novainfer", "FRAGMENT")
+_library.define("attention(Tensor(a!) q, Tensor k, Tensor v, Tensor? positions, str layer_name) -> Tensor")
+for _dispatch_key in ("CPU", "CUDA"):
+    _library.impl("attention", _attention_op, _dispatch_key)
+torch.library.register_fake("novainfer::attention", _attention_op_fake, lib=_library)
