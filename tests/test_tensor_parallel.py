@@ -436,13 +436,15 @@ def test_each_rank_caches_only_its_kv_heads(tp_model):
             llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("vocab_parallel, async_scheduling", [(False, False), (True, False), (True, True)])
-def test_random_sampling_on_the_driver_rank_only(tp_model, prompts, vocab_parallel, async_scheduling):
+@pytest.mark.parametrize("vocab_parallel, async_scheduling, temperature",
+                         [(False, False, 1.0), (True, False, 1.0), (True, True, 1.0), (True, True, 0.0)])
+def test_random_sampling_on_the_driver_rank_only(tp_model, prompts, vocab_parallel, async_scheduling, temperature):
     """Only the driver rank stages steps and samples; the other rank runs what it staged (and its
     part of gathering a split LM head's logits), so every rank computes the driver's sequences.
     Checked through the sampled tokens' logprobs, which must be transformers' for the same text,
     with the other rank's own staging and sampling disabled. With async scheduling the other rank
-    reads the tokens of the step before from the driver's device."""
+    reads the tokens of the step before from the driver's device. Greedy with logprobs takes the
+    argmax off the gathered logits (no sampler): the same collectives on both ranks."""
     llm = LLM(str(tp_model), tensor_parallel_size=2, enable_vocab_parallel=vocab_parallel,
               async_scheduling=async_scheduling, **ENGINE)
     try:
@@ -452,16 +454,17 @@ def test_random_sampling_on_the_driver_rank_only(tp_model, prompts, vocab_parall
             raise AssertionError("a non-driver rank staged or sampled a step")
 
         follower.execute_model = follower.sampler = not_on_this_rank
-        check_random_sampling(llm, tp_model, prompts[:3])
+        check_random_sampling(llm, tp_model, prompts[:3], temperature)
         assert follower.requests == {}
     finally:
         llm.llm_engine.shutdown()
 
 
-def check_random_sampling(llm: LLM, model_dir, prompts: list[list[int]]) -> None:
-    """Samples unseeded at temperature 1; each sampled token's logprob must be transformers' for the
-    text sampled so far (a rank that drifted would have corrupted the activations)."""
-    params = SamplingParams(temperature=1.0, logprobs=0, max_tokens=12, ignore_eos=True)
+def check_random_sampling(llm: LLM, model_dir, prompts: list[list[int]], temperature: float = 1.0) -> None:
+    """Samples unseeded at ``temperature``; each sampled token's logprob must be transformers' for the
+    text sampled so far (a rank that drifted would have corrupted the activations), and greedy
+    tokens its argmax."""
+    params = SamplingParams(temperature=temperature, logprobs=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
@@ -469,6 +472,8 @@ def check_random_sampling(llm: LLM, model_dir, prompts: list[list[int]]) -> None
         expected = torch.log_softmax(hf_logits(model_dir, prompt + ids[:-1])[len(prompt) - 1:].double(), dim=-1)
         for pos, (token, entry) in enumerate(zip(ids, completion.logprobs)):
             assert entry[token].logprob == pytest.approx(expected[pos, token].item(), abs=1e-4), pos
+            if temperature == 0:
+                assert expected[pos, token] >= expected[pos].max() - 1e-6, pos
 
 
 # ---- failures ------------------------------------------------------------------------------------

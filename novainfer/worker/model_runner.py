@@ -85,8 +85,8 @@ class StagedStep:
     seq_lens: np.ndarray
     graph_key: GraphKey | None  # the graph to replay
     logits_are_all_rows: bool
-    # Whether the step's rows are all plain greedy: argmax instead of the sampler (and, under a
-    # split LM head, a gather of each rank's best token instead of the whole logits).
+    # Whether the step ends in an argmax alone (its rows plain greedy, none asking for logprobs):
+    # no sampler, and under a split LM head a gather of each rank's best token instead of the whole logits.
     greedy: bool = False
     # The previous step's sampled tokens (on the staging rank's device), when some inputs of this
     # step are among them: the buffer's ``token_sources`` region says which row each one takes.
@@ -123,7 +123,7 @@ class CachedRequestState:
     num_computed_tokens: int
     row: int  # this request's row of the runner's persistent block table
     num_blocks: int = 0  # filled entries of that row
-    # Greedy with nothing that needs the full sampler (penalties, logprobs): argmax is enough.
+    # Greedy without penalties: argmax is enough (logprobs, if asked, are read off the logits beside it).
     plain_greedy: bool = False
     # Leading tokens whose K/V a draft model (speculative decoding) has computed in its own cache.
     num_draft_computed_tokens: int = 0
@@ -578,7 +578,7 @@ class ModelRunner:
         joined: list[CachedRequestState] = []
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            plain_greedy = params.is_greedy and params.logprobs is None and not params.has_penalties
+            plain_greedy = params.is_greedy and not params.has_penalties
             self._drop_request(new.req_id)  # a resumed request may still hold a row
             state = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
@@ -673,13 +673,16 @@ class ModelRunner:
             offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
             logits_indices = np.repeat(logits_indices - counts + 1, counts) + offsets
         greedy = all(s.plain_greedy and n >= s.sampling_params.min_tokens for s, n in zip(sampling, num_outputs))
+        num_logprobs = max((s.sampling_params.logprobs for s in sampling if s.sampling_params.logprobs is not None),
+                           default=None) if greedy else None
+        argmax_only = greedy and num_logprobs is None
         token_sources = None
         if sources:
             token_sources = np.full(len(input_ids), -1, dtype=np.int64)
             index, source_rows = zip(*sources)
             token_sources[list(index)] = source_rows
         staged = self._stage(np.asarray(input_ids, dtype=np.int64), query_lens, start_pos,
-                             self.block_table_rows[rows, :max_blocks], logits_indices, greedy=greedy,
+                             self.block_table_rows[rows, :max_blocks], logits_indices, greedy=argmax_only,
                              token_sources=token_sources,
                              previous_tokens=previous.device_tokens if sources else None)
         if on_staged is not None:
@@ -688,9 +691,13 @@ class ModelRunner:
         if not sampling:
             return None
         if spec_tokens:
-            return self._verify_drafts(sampling, num_outputs, num_drafts, spec_tokens, head_output, greedy)
-        if greedy:
+            return self._verify_drafts(sampling, num_outputs, num_drafts, spec_tokens, head_output, argmax_only)
+        if argmax_only:
             sampled, logprobs = self._greedy_tokens(head_output), None
+        elif greedy:  # with logprobs: both are read off the whole logits, without the sampler
+            logits = self._full_logits(head_output)
+            sampled = logits.argmax(dim=-1)
+            logprobs = gather_logprobs(logits, sampled, num_logprobs)
         else:
             metadata = self.sampling_table.gather(np.fromiter((s.row for s in sampling), np.int64, len(sampling)),
                                                   np.asarray(num_outputs, dtype=np.int64))
