@@ -112,13 +112,14 @@ class Request:
         elif RequestStatus.is_finished(new_status):
             self.metrics.finished_time = now
 
-    def append_output_token(self, token_id: int) -> None:
-        """Records a sampled token (the value of the oldest placeholder, if any)."""
+    def append_output_token(self, token_id: int, now: float) -> None:
+        """Records a sampled token (the value of the oldest placeholder, if any), known at ``now``
+        (``time.time()``, read once per step by the caller)."""
         if self.num_output_placeholders:
             self.num_output_placeholders -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        now = time.time()
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-        self.metrics.last_token_time = now
+        metrics = self.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now

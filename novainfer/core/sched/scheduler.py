@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -142,22 +143,23 @@ class Scheduler:
 
         # Decodes first, then unfinished prompts, each group in admission order: a long prompt's
         # chunks use what is left of the budget and never delay a decode.
-        decoding, prefilling = [], []
+        # (request, its uncomputed tokens): unchanged until the request is scheduled or preempted.
+        decoding: list[tuple[Request, int]] = []
+        prefilling: list[tuple[Request, int]] = []
         for r in self.running:
-            num_uncomputed = r.num_tokens_with_placeholders - r.num_computed_tokens
+            num_uncomputed = len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens
             if num_uncomputed > 1:
-                prefilling.append(r)
+                prefilling.append((r, num_uncomputed))
             elif num_uncomputed == 1 and not self._finishes_with_placeholders(r):
-                decoding.append(r)
+                decoding.append((r, 1))
         for group in (decoding, prefilling):
             if group is prefilling:
                 budget = self._prompt_budget(budget, len(num_scheduled))
-            for request in group:
+            for request, num_uncomputed in group:
                 if budget == 0:
                     break
                 if request.status != RequestStatus.RUNNING:
                     continue  # preempted earlier in this step
-                num_uncomputed = request.num_tokens_with_placeholders - request.num_computed_tokens
                 # A decode's drafts (speculative decoding) ride along as far as the budget goes.
                 num_new = min(num_uncomputed + len(request.spec_token_ids), budget)
                 new_blocks = self._allocate_or_preempt(request, num_new, num_scheduled, preempted)
@@ -217,7 +219,8 @@ class Scheduler:
     def _lookahead(self, num_tokens: int) -> int:
         """Lookahead slots for a request that will have ``num_tokens`` computed tokens: never past the
         context limit, so that a request alone in the cache always fits."""
-        return max(min(self.config.num_lookahead_tokens, self.max_context_len - num_tokens), 0)
+        lookahead = self.config.num_lookahead_tokens
+        return max(min(lookahead, self.max_context_len - num_tokens), 0) if lookahead else 0
 
     def _finishes_with_placeholders(self, request: Request) -> bool:
         """Whether the request's tokens in flight take it to its length limit: it finishes once
@@ -280,6 +283,7 @@ class Scheduler:
         then keeps its tokens: they are part of what it recomputes when it resumes.
         """
         outputs = []
+        now = time.time()
         for rid, tokens, first_row in zip(req_ids, sampled_token_ids, logprobs_rows or itertools.repeat(-1)):
             request = self.requests.get(rid)
             if request is None:
@@ -288,9 +292,9 @@ class Scheduler:
                 self._take_back_rejected(request, len(tokens) - 1)
             output = EngineCoreOutput(rid, [], None if first_row < 0 else (logprobs, first_row))
             for token in tokens:
-                request.append_output_token(token)
+                request.append_output_token(token, now)
                 output.new_token_ids.append(token)
-                if request.num_output_tokens == 1:
+                if len(request.output_token_ids) == 1:
                     output.num_cached_tokens = max(request.num_cached_tokens, 0)
                     output.first_scheduled_time = request.metrics.first_scheduled_time
                 status = self.check_stop(request)
@@ -330,11 +334,12 @@ class Scheduler:
         request alone in the cache can always take its next step.
         """
         params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
+        outputs = request.output_token_ids
+        last, num_outputs = outputs[-1], len(outputs)
+        if last in params.all_stop_token_ids and num_outputs >= params.min_tokens:
             request.stop_reason = last if last in (params.stop_token_ids or ()) else None
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_context_len:
+        if num_outputs >= request.max_tokens or len(request.all_token_ids) >= self.max_context_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
