@@ -75,9 +75,10 @@ class OutputTextState:
         if self._deferred_ids is not None:
             self._deferred_ids += self._pending_ids
             self._text = self._detokenizer.decode_output(self._deferred_ids)
-        elif self._token_texts is not None and self._token_texts.ends_on_character(self._pending_ids):
-            # The batch cannot end inside a character: its text is what feeding the tokens one at a
-            # time would have emitted, in one call.
+        elif len(self._pending_ids) == 1 or (self._token_texts is not None
+                                             and self._token_texts.ends_on_character(self._pending_ids)):
+            # One token (a streamed request's usual step), or a batch that cannot end inside a
+            # character: its text is what feeding the tokens one at a time would have emitted.
             self._text += self._detokenizer.add_tokens(self._pending_ids)
         else:
             # One token at a time, as they came: a batch that ends inside a character would hold
