@@ -254,6 +254,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="every all-reduce through NCCL (default: small ones through the custom kernels)")
     g.add_argument("--enable-vocab-parallel", action="store_true",
                    help="split the embedding and LM head over the vocabulary (default: replicated)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of shared prompt prefixes")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step before the previous one's tokens reach the host (default: on GPUs)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
@@ -281,6 +283,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               "distributed_executor_backend": args.distributed_executor_backend,
               "disable_custom_all_reduce": args.disable_custom_all_reduce,
               "enable_vocab_parallel": args.enable_vocab_parallel, "async_scheduling": args.async_scheduling,
+              "enable_prefix_caching": args.enable_prefix_caching,
               "speculative_config": args.speculative_config}
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len

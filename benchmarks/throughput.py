@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="NovaInfer's warm-up run before the timed ones (--no-warmup: its first timed run is the "
                         "engine's first work in a fresh process, after what its start-up compiles and captures)")
+    r.add_argument("--multiprocess", action="store_true",
+                   help="the engine core in a process of its own (LLM(multiprocess=True)): scheduling, the forward "
+                        "and sampling there, detokenization and outputs in this process")
     r.add_argument("--profile", action="store_true",
                    help="also report NovaInfer's step time split and a profiler table of decode steps")
     r.add_argument("--profile-steps", type=int, default=8, help="decode steps under torch.profiler")
@@ -109,6 +112,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("peer_batch_size", "repeats", "profile_steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.multiprocess and (args.profile or args.enable_prefix_caching):
+        # Both reach into the engine core, which then lives in another process.
+        p.error("--multiprocess needs --no-enable-prefix-caching (the runs empty the prefix cache between them) "
+                "and excludes --profile")
     greedy = {**sampling_settings(p.parse_args([])), "detokenize": args.detokenize}
     if args.peer != "none" and sampling_settings(args) != greedy:
         p.error("the peer runs greedy: pass --peer none with sampling or logprobs flags")
@@ -189,7 +196,7 @@ class NovaInferRunner:
         self.workload = workload
         self.args = args
         started = time.perf_counter()
-        self.llm = LLM(model_dir, **engine_kwargs(args), tokenizer=args.tokenizer)
+        self.llm = LLM(model_dir, **engine_kwargs(args), tokenizer=args.tokenizer, multiprocess=args.multiprocess)
         self.load_seconds = time.perf_counter() - started
         self.engine = self.llm.llm_engine
         self.dtype = self.engine.model_config.torch_dtype
@@ -207,7 +214,7 @@ class NovaInferRunner:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def run(self) -> tuple[dict[str, Any], list[list[int]]]:
-        if not self.engine.engine_core.kv_cache_manager.reset_prefix_cache():
+        if self.args.enable_prefix_caching and not self.engine.engine_core.kv_cache_manager.reset_prefix_cache():
             raise RuntimeError("could not empty NovaInfer's prefix cache (blocks still in use)")
         before = self._stats()
         result, tokens = timed_run(self, self.workload)
@@ -298,7 +305,8 @@ class NovaInferRunner:
                            "disable_custom_all_reduce": self.engine.config.parallel_config.disable_custom_all_reduce,
                            "enable_vocab_parallel": self.engine.config.parallel_config.enable_vocab_parallel,
                            "async_scheduling": sched.async_scheduling,
-                           "kv_cache_blocks": self.engine.engine_core.kv_cache_manager.num_blocks,
+                           "kv_cache_blocks": self.engine.engine_core.info.num_blocks,
+                           "multiprocess": self.args.multiprocess,
                            "block_size": cache.block_size, "enable_prefix_caching": cache.enable_prefix_caching},
                 "note": "overhead = step time outside executor.execute_model (scheduling + output "
                         "processing), from EngineStats of the timed generate only; the prefix cache is "
