@@ -123,8 +123,10 @@ class CachedRequestState:
     num_computed_tokens: int
     row: int  # this request's row of the runner's persistent block table
     num_blocks: int = 0  # filled entries of that row
-    # Greedy without penalties: argmax is enough (logprobs, if asked, are read off the logits beside it).
+    # Greedy with nothing that needs the full sampler (penalties, logprobs): argmax is enough.
     plain_greedy: bool = False
+    # Greedy without penalties but with logprobs: the argmax and the logprobs, both off the logits.
+    greedy_with_logprobs: bool = False
     # Leading tokens whose K/V a draft model (speculative decoding) has computed in its own cache.
     num_draft_computed_tokens: int = 0
 
@@ -578,12 +580,14 @@ class ModelRunner:
         joined: list[CachedRequestState] = []
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            plain_greedy = params.is_greedy and not params.has_penalties
+            greedy = params.is_greedy and not params.has_penalties
             self._drop_request(new.req_id)  # a resumed request may still hold a row
             state = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                 list(new.output_token_ids), params, new.num_computed_tokens, self._take_row(),
-                plain_greedy=plain_greedy, num_draft_computed_tokens=new.num_computed_tokens)
+                plain_greedy=greedy and params.logprobs is None,
+                greedy_with_logprobs=greedy and params.logprobs is not None,
+                num_draft_computed_tokens=new.num_computed_tokens)
             self._append_blocks(state, new.block_ids)
             self.requests[new.req_id] = state
             joined.append(state)
@@ -672,10 +676,11 @@ class ModelRunner:
             counts = np.asarray(num_drafts, dtype=np.int64) + 1
             offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
             logits_indices = np.repeat(logits_indices - counts + 1, counts) + offsets
-        greedy = all(s.plain_greedy and n >= s.sampling_params.min_tokens for s, n in zip(sampling, num_outputs))
-        num_logprobs = max((s.sampling_params.logprobs for s in sampling if s.sampling_params.logprobs is not None),
-                           default=None) if greedy else None
-        argmax_only = greedy and num_logprobs is None
+        argmax_only = all(s.plain_greedy and n >= s.sampling_params.min_tokens for s, n in zip(sampling, num_outputs))
+        num_logprobs = None  # of a greedy step with logprobs: the most any row asked for
+        if not argmax_only and all((s.plain_greedy or s.greedy_with_logprobs) and n >= s.sampling_params.min_tokens
+                                   for s, n in zip(sampling, num_outputs)):
+            num_logprobs = max(s.sampling_params.logprobs for s in sampling if s.greedy_with_logprobs)
         token_sources = None
         if sources:
             token_sources = np.full(len(input_ids), -1, dtype=np.int64)
@@ -694,7 +699,7 @@ class ModelRunner:
             return self._verify_drafts(sampling, num_outputs, num_drafts, spec_tokens, head_output, argmax_only)
         if argmax_only:
             sampled, logprobs = self._greedy_tokens(head_output), None
-        elif greedy:  # with logprobs: both are read off the whole logits, without the sampler
+        elif num_logprobs is not None:  # greedy with logprobs: both off the whole logits, without the sampler
             logits = self._full_logits(head_output)
             sampled = logits.argmax(dim=-1)
             logprobs = gather_logprobs(logits, sampled, num_logprobs)
