@@ -171,6 +171,12 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
 
+    def snapshot(self) -> RequestMetrics:
+        """A copy, for an output to keep the times as they were when it was made (one per request
+        per step: ``dataclasses.replace`` costs several times this)."""
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                              self.last_token_time, self.finished_time)
+
 
 @dataclass
 class RequestOutput:

@@ -6,12 +6,15 @@ requests too large for the KV cache.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from novainfer import LLM, SamplingParams
 from novainfer.config import ParallelConfig, normalize_parallel_config
 from novainfer.core.sched.request import InvalidStatusTransition, Request, RequestStatus
+from novainfer.outputs import RequestMetrics
 from tests.utils import hf_greedy, random_ids
 
 MAX_MODEL_LEN = 48
@@ -281,6 +284,14 @@ def test_legal_status_lifecycle():
     waiting = make_request()
     waiting.set_status(RequestStatus.FINISHED_ABORTED)  # aborted before it ever ran
     assert waiting.get_finished_reason() == "abort" and waiting.metrics.first_scheduled_time is None
+
+
+def test_an_output_keeps_the_times_it_was_made_with():
+    live = RequestMetrics(**{f.name: float(i + 1) for i, f in enumerate(dataclasses.fields(RequestMetrics))})
+    kept = live.snapshot()
+    assert kept == live and kept is not live  # every field copied
+    live.last_token_time = 99.0
+    assert kept.last_token_time == 4.0
 
 
 def test_timestamps_are_set_and_ordered(llm, good_prompt):

@@ -8,7 +8,6 @@ dropped); the caller then aborts it in the core (``process_outputs`` says which)
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -270,4 +269,4 @@ class OutputProcessor:
             for child in parent.children:
                 self.children.pop(child.request_id, None)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             parent.num_cached_tokens, dataclasses.replace(parent.metrics))
+                             parent.num_cached_tokens, parent.metrics.snapshot())
