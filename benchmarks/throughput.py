@@ -27,6 +27,9 @@ two sides (NovaInfer, peer, NovaInfer, ...), so that a burst of other work on a 
 both alike; on CUDA all NovaInfer runs come first and its engine (which reserves most of the GPU
 memory for its KV cache) is shut down and its memory released before the peer loads. NovaInfer's
 prefix cache is emptied before every timed run, so a repeat never reuses the previous run's prompts.
+``--multiprocess`` runs the engine core in a process of its own (``LLM(multiprocess=True)``), so the
+front-end's detokenization and outputs run beside its steps; this process cannot empty that core's
+prefix cache, so it needs ``--no-enable-prefix-caching``.
 
 ``--profile`` adds where NovaInfer's step time goes: executor (forward + sampling) against host
 (scheduling + output processing) per step, and a ``torch.profiler`` table of the top kernels (CPU
