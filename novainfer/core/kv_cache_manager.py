@@ -162,7 +162,9 @@ class KVCacheManager:
             num_tokens = request.num_tokens + num_new_tokens
             if num_tokens + num_lookahead_tokens <= len(request.block_ids) * self.block_size:
                 request.num_tokens = num_tokens
-                if self.enable_prefix_caching:
+                # (_cache_full_blocks' own first test, without the call: no block fills on most steps)
+                if (self.enable_prefix_caching
+                        and min(num_tokens, len(token_ids)) // self.block_size > request.num_hashed_blocks):
                     self._cache_full_blocks(request, token_ids)
                 return []
         if request is None:

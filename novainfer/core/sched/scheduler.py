@@ -140,17 +140,24 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
+        scheduled: list[tuple[Request, int]] = []  # num_scheduled's requests, without a lookup each
 
         # Decodes first, then unfinished prompts, each group in admission order: a long prompt's
         # chunks use what is left of the budget and never delay a decode.
         # (request, its uncomputed tokens): unchanged until the request is scheduled or preempted.
         decoding: list[tuple[Request, int]] = []
         prefilling: list[tuple[Request, int]] = []
+        max_context_len = self.max_context_len
         for r in self.running:
-            num_uncomputed = len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens
+            num_known, num_placeholders = len(r.all_token_ids), r.num_output_placeholders
+            num_uncomputed = num_known + num_placeholders - r.num_computed_tokens
             if num_uncomputed > 1:
                 prefilling.append((r, num_uncomputed))
-            elif num_uncomputed == 1 and not self._finishes_with_placeholders(r):
+            elif num_uncomputed == 1 and not (
+                    # Its tokens in flight take it to its length limit: it finishes once they are
+                    # known, so scheduling it again would only sample a token past its end.
+                    num_placeholders and (len(r.output_token_ids) + num_placeholders >= r.max_tokens
+                                          or num_known + num_placeholders >= max_context_len)):
                 decoding.append((r, 1))
         for group in (decoding, prefilling):
             if group is prefilling:
@@ -166,6 +173,7 @@ class Scheduler:
                 if new_blocks is None:
                     continue  # the request itself was preempted
                 num_scheduled[request.request_id] = num_new
+                scheduled.append((request, num_new))
                 budget -= num_new
                 if request.spec_token_ids:
                     request.spec_token_ids = request.spec_token_ids[:num_new - num_uncomputed]
@@ -191,6 +199,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
+            scheduled.append((request, num_new))
             budget -= num_new
             self._emit(request, self.kv_cache_manager.get_block_ids(request.request_id), new_reqs, cached_reqs)
 
@@ -198,10 +207,9 @@ class Scheduler:
                                  scheduled_spec_decode_tokens=spec_tokens,
                                  finished_req_ids=self._finished_since_last_step, preempted_req_ids=preempted)
         self._finished_since_last_step = set()
-        for rid, num_new in num_scheduled.items():
-            request = self.requests[rid]
+        for request, num_new in scheduled:
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
+            if request.num_computed_tokens >= len(request.all_token_ids) + request.num_output_placeholders:
                 # It samples in this step (beyond its known tokens when it verifies drafts: the
                 # rejected ones are taken back in update_from_output).
                 request.num_output_placeholders += 1
@@ -221,14 +229,6 @@ class Scheduler:
         context limit, so that a request alone in the cache always fits."""
         lookahead = self.config.num_lookahead_tokens
         return max(min(lookahead, self.max_context_len - num_tokens), 0) if lookahead else 0
-
-    def _finishes_with_placeholders(self, request: Request) -> bool:
-        """Whether the request's tokens in flight take it to its length limit: it finishes once
-        they are known, so scheduling it again would only sample a token past its end."""
-        if not request.num_output_placeholders:
-            return False
-        return (request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
-                or request.num_tokens_with_placeholders >= self.max_context_len)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, num_scheduled: dict[str, int],
                              preempted: set[str]) -> list[int] | None:
@@ -260,9 +260,11 @@ class Scheduler:
 
     def _emit(self, request: Request, new_blocks: list[int], new_reqs: list[NewRequestData],
               cached_reqs: list[CachedRequestData]) -> None:
+        """Adds a scheduled request to the step's message; ``new_blocks`` (a fresh list, handed over):
+        the blocks it got in this step."""
         rid = request.request_id
         if rid in self._workers_know:
-            cached_reqs.append(CachedRequestData(rid, list(new_blocks), request.num_computed_tokens))
+            cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens))
             return
         self._workers_know.add(rid)
         new_reqs.append(NewRequestData(rid, request.prompt_token_ids, list(request.output_token_ids),
