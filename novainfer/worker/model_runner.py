@@ -411,15 +411,15 @@ class ModelRunner:
         host["block_tables"][:num_seqs, :block_tables.shape[1]] = block_tables
         if token_sources is not None:
             host["token_sources"][:num_tokens] = token_sources
-        rows = num_seqs
         if graph_key is not None and graph_key.kind == "decode":
-            rows = graph_key.size
             self._fill_padding(num_seqs, graph_key.size)
         elif graph_key is not None:
-            rows = self.mixed_graph_seqs
             self._fill_mixed_padding(num_tokens, num_seqs, num_logits, graph_key)
         all_rows = num_logits == num_tokens and bool((logits_indices == np.arange(num_tokens)).all())
-        return StagedStep(buffers, buffers.block_table_rows_end(rows), num_tokens, num_seqs, num_logits, query_lens,
+        # Only the real sequences' block-table rows are copied (a row spans max_model_len's blocks:
+        # a batch-1 step padded to a mixed graph of 256 sequences copied 2 MB): padding sequences
+        # have no context, so the kernels never read their rows, which keep older valid ids.
+        return StagedStep(buffers, buffers.block_table_rows_end(num_seqs), num_tokens, num_seqs, num_logits, query_lens,
                           seq_lens, graph_key, all_rows, greedy, previous_tokens if token_sources is not None else None)
 
     def _graph_for(self, num_tokens: int, num_seqs: int, num_logits: int, max_query_len: int) -> GraphKey | None:
