@@ -130,7 +130,7 @@ class NovaInferSide:
         self.dtype = self.engine.model_config.torch_dtype
 
     def generate(self, prompt: list[int], num_tokens: int) -> tuple[Run, list[int]]:
-        if not self.engine.engine_core.kv_cache_manager.reset_prefix_cache():
+        if not self.engine.reset_prefix_cache():
             raise RuntimeError("could not empty NovaInfer's prefix cache (blocks still in use)")
         first = None
         started = time.perf_counter()

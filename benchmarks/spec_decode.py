@@ -129,7 +129,7 @@ def decode_prompts(args: argparse.Namespace, vocab_size: int, batch_size: int) -
 
 def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
     """Seconds of one ``LLM.generate`` of ``prompts`` (prefix cache emptied first), and its tokens."""
-    if not llm.llm_engine.engine_core.kv_cache_manager.reset_prefix_cache():
+    if not llm.reset_prefix_cache():
         raise RuntimeError("could not empty the prefix cache (blocks still in use)")
     started = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(max_tokens), use_tqdm=False)

@@ -27,9 +27,9 @@ two sides (NovaInfer, peer, NovaInfer, ...), so that a burst of other work on a 
 both alike; on CUDA all NovaInfer runs come first and its engine (which reserves most of the GPU
 memory for its KV cache) is shut down and its memory released before the peer loads. NovaInfer's
 prefix cache is emptied before every timed run, so a repeat never reuses the previous run's prompts.
-``--multiprocess`` runs the engine core in a process of its own (``LLM(multiprocess=True)``), so the
-front-end's detokenization and outputs run beside its steps; this process cannot empty that core's
-prefix cache, so it needs ``--no-enable-prefix-caching``.
+The engine core runs where ``LLM`` puts it by default (a process of its own on GPUs, so that the
+front-end's detokenization and outputs run beside its steps; this process on CPUs);
+``--multiprocess`` / ``--no-multiprocess`` choose.
 
 ``--profile`` adds where NovaInfer's step time goes: executor (forward + sampling) against host
 (scheduling + output processing) per step, and a ``torch.profiler`` table of the top kernels (CPU
@@ -105,9 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="NovaInfer's warm-up run before the timed ones (--no-warmup: its first timed run is the "
                         "engine's first work in a fresh process, after what its start-up compiles and captures)")
-    r.add_argument("--multiprocess", action="store_true",
+    r.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine core in a process of its own (LLM(multiprocess=True)): scheduling, the forward "
-                        "and sampling there, detokenization and outputs in this process")
+                        "and sampling there, detokenization and outputs in this process (default: LLM's, on for "
+                        "GPUs; --profile runs it in this process)")
     r.add_argument("--profile", action="store_true",
                    help="also report NovaInfer's step time split and a profiler table of decode steps")
     r.add_argument("--profile-steps", type=int, default=8, help="decode steps under torch.profiler")
@@ -115,10 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("peer_batch_size", "repeats", "profile_steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.multiprocess and (args.profile or args.enable_prefix_caching):
-        # Both reach into the engine core, which then lives in another process.
-        p.error("--multiprocess needs --no-enable-prefix-caching (the runs empty the prefix cache between them) "
-                "and excludes --profile")
+    if args.profile:  # it reaches into the engine core, which must live in this process
+        if args.multiprocess:
+            p.error("--profile needs the engine core in this process: it excludes --multiprocess")
+        args.multiprocess = False
     greedy = {**sampling_settings(p.parse_args([])), "detokenize": args.detokenize}
     if args.peer != "none" and sampling_settings(args) != greedy:
         p.error("the peer runs greedy: pass --peer none with sampling or logprobs flags")
@@ -217,7 +218,7 @@ class NovaInferRunner:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def run(self) -> tuple[dict[str, Any], list[list[int]]]:
-        if self.args.enable_prefix_caching and not self.engine.engine_core.kv_cache_manager.reset_prefix_cache():
+        if self.args.enable_prefix_caching and not self.llm.reset_prefix_cache():
             raise RuntimeError("could not empty NovaInfer's prefix cache (blocks still in use)")
         before = self._stats()
         result, tokens = timed_run(self, self.workload)
@@ -309,7 +310,7 @@ class NovaInferRunner:
                            "enable_vocab_parallel": self.engine.config.parallel_config.enable_vocab_parallel,
                            "async_scheduling": sched.async_scheduling,
                            "kv_cache_blocks": self.engine.engine_core.info.num_blocks,
-                           "multiprocess": self.args.multiprocess,
+                           "multiprocess": self.engine.multiprocess,
                            "block_size": cache.block_size, "enable_prefix_caching": cache.enable_prefix_caching},
                 "note": "overhead = step time outside executor.execute_model (scheduling + output "
                         "processing), from EngineStats of the timed generate only; the prefix cache is "

@@ -82,12 +82,13 @@ def test_throughput_of_a_sampled_run_with_text(tmp_path):
 def test_throughput_with_the_engine_core_in_its_own_process(tmp_path):
     args = ["--num-seqs", "4", "--max-input", "30", "--min-output", "3", "--max-output", "9", "--repeats", "2",
             "--peer", "none", "--logprobs", "2", "--results-dir", str(tmp_path), "--output", "run"]
-    with pytest.raises(SystemExit):  # the runs could not empty the core's prefix cache between them
-        throughput.parse_args([*args, "--multiprocess"])
-    results = throughput.main([*args, "--multiprocess", "--no-enable-prefix-caching"])
+    with pytest.raises(SystemExit):  # the profile reaches into the core, which must be in this process
+        throughput.parse_args([*args, "--multiprocess", "--profile"])
+    assert throughput.parse_args([*args, "--profile"]).multiprocess is False
+    results = throughput.main([*args, "--multiprocess"])
     assert results["novainfer"]["engine"]["multiprocess"] is True
-    assert results["novainfer"]["engine"]["enable_prefix_caching"] is False
-    for run in results["novainfer"]["runs"]:  # every run computed its prompts: no cache between them
+    assert results["novainfer"]["engine"]["enable_prefix_caching"] is True
+    for run in results["novainfer"]["runs"]:  # the core's prefix cache was emptied before every run
         assert run["engine_prompt_tokens_computed"] == results["workload"]["total_input_tokens"]
         assert run["output_tokens"] == results["workload"]["total_output_tokens"]
 

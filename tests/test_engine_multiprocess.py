@@ -1,9 +1,11 @@
 """``LLM(..., multiprocess=True)``: the engine core in a process of its own under the offline API
-gives the same outputs as the in-process engine, and its process ends with ``shutdown`` or, for a
-script that never calls it, when the script exits."""
+gives the same outputs as the in-process engine (the default on a CPU), empties its prefix cache
+when asked, and its process ends with ``shutdown`` or, for a script that never calls it, when the
+script exits."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import textwrap
 import pytest
 
 from novainfer import LLM, SamplingParams
+from novainfer.engine.core import EngineCore
 from tests.utils import tiny_model
 
 KV_BYTES = 8 << 20
@@ -22,9 +25,13 @@ def test_multiprocess_llm_equals_in_process():
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)]
+    long_params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
     local = LLM(str(tiny_model()), kv_cache_memory_bytes=KV_BYTES)
     try:
+        assert not local.llm_engine.multiprocess and isinstance(local.llm_engine.engine_core, EngineCore)
         expected = local.generate(prompts, params, use_tqdm=False)
+        expected_long = local.generate(prompts[0], long_params, use_tqdm=False)[0].outputs[0].token_ids
+        check_prefix_cache_reset(local, long_params, expected_long)
     finally:
         local.shutdown()
     remote = LLM(str(tiny_model()), kv_cache_memory_bytes=KV_BYTES, multiprocess=True)
@@ -33,6 +40,7 @@ def test_multiprocess_llm_equals_in_process():
         assert core.pid is not None and core.is_alive()
         got = remote.generate(prompts, params, use_tqdm=False)
         streamed = "".join(o.outputs[0].delta_text for o in remote.generate_stream(prompts[0], params[0]))
+        check_prefix_cache_reset(remote, long_params, expected_long)
     finally:
         remote.shutdown()
     assert not core.is_alive()
@@ -44,6 +52,29 @@ def test_multiprocess_llm_equals_in_process():
         pytest.approx([lp[t].logprob for t, lp in zip(expected[2].outputs[0].token_ids,
                                                         expected[2].outputs[0].logprobs)], abs=1e-4)
     assert streamed == expected[0].outputs[0].text
+
+
+def check_prefix_cache_reset(llm: LLM, long_params: SamplingParams, expected_long: list[int]) -> None:
+    """A repeated prompt hits the core's prefix cache, and no longer after a reset; a reset while a
+    request holds blocks does nothing, and the stream's outputs that came before its answer still
+    arrive, in order."""
+    def hits() -> int:
+        return llm.llm_engine.get_stats().prefix_cache_hits_total
+
+    prompt = {"prompt_token_ids": list(range(3, 67))}  # four blocks of 16
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate(prompt, short, use_tqdm=False)
+    before = hits()
+    llm.generate(prompt, short, use_tqdm=False)
+    assert hits() > before
+    assert llm.reset_prefix_cache() is True
+    before = hits()
+    llm.generate(prompt, short, use_tqdm=False)
+    assert hits() == before
+    stream = llm.generate_stream("Hello there", long_params)
+    first = next(stream).outputs[0].delta_token_ids
+    assert llm.reset_prefix_cache() is False  # 300 tokens still to go: the request holds its blocks
+    assert first + [t for o in stream for t in o.outputs[0].delta_token_ids] == expected_long
 
 
 def test_script_without_shutdown_exits(tmp_path):
@@ -63,3 +94,13 @@ def test_script_without_shutdown_exits(tmp_path):
     assert num_tokens == 3
     with pytest.raises(ProcessLookupError):  # the core process is gone (and reaped) as well
         os.kill(core_pid, 0)
+
+
+def test_dropped_llm_stops_its_core_process():
+    llm = LLM(str(tiny_model()), kv_cache_memory_bytes=KV_BYTES, multiprocess=True)
+    process = llm.llm_engine.engine_core._process
+    assert process.is_alive()
+    del llm
+    gc.collect()
+    process.join(30)
+    assert not process.is_alive()

@@ -108,6 +108,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block; False (and nothing done) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def has_work(self) -> bool:
         """Whether step() would do anything: requests to run, or tokens of steps to collect."""
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or bool(self._early_outputs)

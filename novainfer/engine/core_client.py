@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +26,8 @@ import zmq
 from novainfer.config import EngineConfig
 from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from novainfer.engine.core import EngineCore, EngineCoreInfo
-from novainfer.engine.serial import CoreFailed, CoreReady, InputEncoder, StepOutputs, core_message_decoder
+from novainfer.engine.serial import CoreFailed, CoreReady, InputEncoder, PrefixCacheReset, StepOutputs, \
+    core_message_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,17 @@ def _shutdown_at_exit(client: CoreClient) -> Callable[[], None]:
     return shutdown
 
 
+def _stop_process(process: multiprocessing.process.BaseProcess) -> None:
+    """Stops an engine-core process whose client was collected without shutdown() (SIGTERM lets the
+    core release its workers and device memory), so that a dropped LLM frees its GPU."""
+    if process.is_alive():
+        process.terminate()
+        process.join(_STOP_GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join(_STOP_GRACE_S)
+
+
 class CoreClient:
     """Starts an engine core and talks to it. ``in_thread`` runs the core in this process (its
     ``engine_core`` is then reachable here); otherwise it runs in a spawned process."""
@@ -81,6 +94,7 @@ class CoreClient:
         self.engine_core: EngineCore | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._exit_handler: Callable[[], None] | None = None
+        self._finalizer: weakref.finalize | None = None
         self._thread: threading.Thread | None = None
         self._loop = None
         self.dead_error: EngineDeadError | None = None
@@ -104,6 +118,8 @@ class CoreClient:
                 self._process.start()
                 self._exit_handler = _shutdown_at_exit(self)
                 atexit.register(self._exit_handler)
+                self._finalizer = weakref.finalize(self, _stop_process, self._process)
+                self._finalizer.atexit = False  # the exit handler above stops it then
             self.info = self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -167,8 +183,9 @@ class CoreClient:
         here, without looking whether the core lives); raises EngineDeadError once the core is
         gone. Called from one thread only."""
         message = self._receive_waiting() if timeout_s == 0 else self._receive(timeout_s)
-        if message is None:
-            return None
+        return None if message is None else self._step_outputs(message)
+
+    def _step_outputs(self, message: StepOutputs | CoreReady | PrefixCacheReset) -> EngineCoreOutputs:
         if not isinstance(message, StepOutputs):
             raise EngineDeadError(f"engine core '{self.name}' sent an unexpected {type(message).__name__}")
         outputs = message.outputs
@@ -176,7 +193,7 @@ class CoreClient:
             self.stats = outputs.stats
         return outputs
 
-    def _receive(self, timeout_s: float | None) -> StepOutputs | CoreReady | None:
+    def _receive(self, timeout_s: float | None) -> StepOutputs | CoreReady | PrefixCacheReset | None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if self.dead_error is not None:
@@ -195,7 +212,7 @@ class CoreClient:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def _receive_waiting(self) -> StepOutputs | CoreReady | None:
+    def _receive_waiting(self) -> StepOutputs | CoreReady | PrefixCacheReset | None:
         """A message already waiting, if there is one."""
         if self.dead_error is not None:
             raise self.dead_error
@@ -237,6 +254,8 @@ class CoreClient:
         self._closed = True
         if self._exit_handler is not None:
             atexit.unregister(self._exit_handler)
+        if self._finalizer is not None:
+            self._finalizer.detach()
         try:
             with self._send_lock:
                 self._input.send(self._encoder.shutdown(), zmq.NOBLOCK)
@@ -271,8 +290,21 @@ class SyncMPClient(CoreClient):
     step_timeout_s = 1.0
 
     def __init__(self, config: EngineConfig, log_stats_interval: float = 5.0) -> None:
+        self._received_early: deque[EngineCoreOutputs] = deque()  # steps that came before a reply
         super().__init__(config, log_stats_interval, name="offline")
 
     def step(self) -> EngineCoreOutputs:
+        if self._received_early:
+            return self._received_early.popleft()
         outputs = self.get_output(self.step_timeout_s)
         return outputs if outputs is not None else EngineCoreOutputs(timestamp=time.time())
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the core's prefix cache (see ``EngineCore.reset_prefix_cache``) and waits for its
+        answer; the steps' outputs that arrive first are kept for :meth:`step`."""
+        self._send(self._encoder.reset_prefix_cache())
+        while True:
+            message = self._receive(timeout_s=None)
+            if isinstance(message, PrefixCacheReset):
+                return message.done
+            self._received_early.append(self._step_outputs(message))

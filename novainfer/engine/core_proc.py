@@ -22,8 +22,8 @@ import zmq
 from novainfer.config import EngineConfig
 from novainfer.core.messages import EngineCoreOutputs
 from novainfer.engine.core import EngineCore, freeze_startup_objects
-from novainfer.engine.serial import AbortRequests, AddRequests, CoreFailed, CoreReady, InputDecoder, Shutdown, \
-    StepOutputs, core_message_encoder
+from novainfer.engine.serial import AbortRequests, AddRequests, CoreFailed, CoreReady, InputDecoder, \
+    PrefixCacheReset, ResetPrefixCache, Shutdown, StepOutputs, core_message_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class EngineCoreLoop:
                 self.core.add_requests(message.requests)
             elif isinstance(message, AbortRequests):
                 self.core.abort_requests(message.request_ids)
+            elif isinstance(message, ResetPrefixCache):
+                self.send(PrefixCacheReset(self.core.reset_prefix_cache()))
             elif isinstance(message, Shutdown):
                 return None
 

@@ -4,7 +4,11 @@ It is the front-end (tokenization, validation, n>1 fan-out, detokenization, stop
 RequestOutputs) joined to an engine core (scheduler, KV cache manager, executor) by messages
 (``novainfer.core.messages``). The core runs in this process (:class:`EngineCore`) or, with
 ``multiprocess``, in an engine-core process of its own (:class:`SyncMPClient`), which then
-generates while the caller does its own work between steps.
+generates while the caller does its own work between steps. By default the core has its own
+process when the model runs on a GPU: the front-end's work (detokenization, logprobs, outputs)
+then runs beside the core's steps instead of between them, and the device is fed without waiting
+for it. On a CPU the model's forward uses the cores that a second process would take, and the
+core stays in this process.
 """
 
 from __future__ import annotations
@@ -49,10 +53,13 @@ class EngineStats(EngineCoreStats):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
-                 log_stats_interval: float = 5.0, multiprocess: bool = False) -> None:
+                 log_stats_interval: float = 5.0, multiprocess: bool | None = None) -> None:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(self.model_config.tokenizer)
+        if multiprocess is None:
+            multiprocess = executor_class is None and config.device.type == "cuda"
+        self.multiprocess = multiprocess
         if multiprocess:
             from novainfer.engine.core_client import SyncMPClient
 
@@ -67,7 +74,7 @@ class LLMEngine:
         freeze_startup_objects()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool | None = None) -> LLMEngine:
         return cls(args.create_engine_config(), log_stats_interval=args.log_stats_interval,
                    multiprocess=multiprocess)
 
@@ -123,6 +130,10 @@ class LLMEngine:
         if to_abort:
             self.engine_core.abort_requests(to_abort)  # stop strings: the core stops generating them
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block; False (and nothing done) while requests hold blocks."""
+        return self.engine_core.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
         return EngineStats.from_core(self.engine_core.make_stats(), self.output_processor.finished_requests_total)

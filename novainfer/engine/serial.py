@@ -1,8 +1,8 @@
 """The wire between the front-end and an engine-core process: ZMQ frames of msgpack (msgspec).
 
-Front-end -> core: :class:`AddRequests`, :class:`AbortRequests`, :class:`Shutdown`, each a batch.
-Core -> front-end: :class:`CoreReady` once, then one :class:`EngineCoreOutputs` per step, or
-:class:`CoreFailed` as its last word. Only plain data crosses: no pickling on the hot path.
+Front-end -> core: :class:`AddRequests`, :class:`AbortRequests` (each a batch), :class:`ResetPrefixCache`,
+:class:`Shutdown`. Core -> front-end: :class:`CoreReady` once, then one :class:`EngineCoreOutputs` per
+step, :class:`PrefixCacheReset` per ResetPrefixCache, or :class:`CoreFailed` as its last word. Only plain data crosses: no pickling on the hot path.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    pass
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
@@ -42,8 +46,12 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     outputs: EngineCoreOutputs
 
 
-CoreInput = AddRequests | AbortRequests | Shutdown
-CoreMessage = CoreReady | CoreFailed | StepOutputs
+class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset", array_like=True):
+    done: bool  # False: requests still held blocks, nothing was reset
+
+
+CoreInput = AddRequests | AbortRequests | ResetPrefixCache | Shutdown
+CoreMessage = CoreReady | CoreFailed | StepOutputs | PrefixCacheReset
 
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init and f.name != "output_kind"]
 
@@ -75,6 +83,9 @@ class InputEncoder:
 
     def abort(self, request_ids: list[str]) -> bytes:
         return self._encoder.encode(AbortRequests(request_ids))
+
+    def reset_prefix_cache(self) -> bytes:
+        return self._encoder.encode(ResetPrefixCache())
 
     def shutdown(self) -> bytes:
         return self._encoder.encode(Shutdown())

@@ -18,18 +18,23 @@ class LLM:
     """Loads a model directory (``None``: the built-in tiny model) and generates text.
 
     Keyword arguments are engine arguments with vLLM's names (see :class:`EngineArgs`);
-    an unknown one is an error. With ``multiprocess=True`` the engine core (scheduler, KV cache,
-    model) runs in a process of its own, as under ``novainfer serve``: it keeps generating while
-    the calling script does other work between ``generate_stream`` outputs.
+    an unknown one is an error. With ``multiprocess`` the engine core (scheduler, KV cache, model)
+    runs in a process of its own, as under ``novainfer serve``: it keeps generating while this
+    process detokenizes and builds outputs (or the calling script does other work between
+    ``generate_stream`` outputs). None (the default) turns it on for GPUs (see ``LLMEngine``).
     """
 
-    def __init__(self, model: str | None = None, *, multiprocess: bool = False, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, *, multiprocess: bool | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block; False (and nothing done) while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Releases the workers (and their device memory, once the LLM itself is dropped)."""
