@@ -152,9 +152,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"model {scrub_path(model_dir)} on {device}: {args.decodes} decodes after {args.context} tokens, "
           f"mixed steps add a {args.chunk}-token prompt", flush=True)
     load_at_start = load_average()
-    # In this process: the step kinds are timed with torch.profiler here.
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, async_scheduling=False,
-              max_num_seqs=max(256, args.decodes + 1), multiprocess=False)
+              max_num_seqs=max(256, args.decodes + 1))
     try:
         driver = StepDriver(llm.llm_engine, args, summary["vocab_size"])
         rows = [measure(driver, kind, args, device.type == "cuda") for kind in ("decode", "mixed")]

@@ -27,9 +27,8 @@ two sides (NovaInfer, peer, NovaInfer, ...), so that a burst of other work on a 
 both alike; on CUDA all NovaInfer runs come first and its engine (which reserves most of the GPU
 memory for its KV cache) is shut down and its memory released before the peer loads. NovaInfer's
 prefix cache is emptied before every timed run, so a repeat never reuses the previous run's prompts.
-The engine core runs where ``LLM`` puts it by default (a process of its own on GPUs, so that the
-front-end's detokenization and outputs run beside its steps; this process on CPUs);
-``--multiprocess`` / ``--no-multiprocess`` choose.
+``--multiprocess`` runs the engine core in a process of its own (``LLM(multiprocess=True)``), so the
+front-end's detokenization and outputs run beside its steps.
 
 ``--profile`` adds where NovaInfer's step time goes: executor (forward + sampling) against host
 (scheduling + output processing) per step, and a ``torch.profiler`` table of the top kernels (CPU
@@ -105,10 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="NovaInfer's warm-up run before the timed ones (--no-warmup: its first timed run is the "
                         "engine's first work in a fresh process, after what its start-up compiles and captures)")
-    r.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None,
+    r.add_argument("--multiprocess", action="store_true",
                    help="the engine core in a process of its own (LLM(multiprocess=True)): scheduling, the forward "
-                        "and sampling there, detokenization and outputs in this process (default: LLM's, on for "
-                        "GPUs; --profile runs it in this process)")
+                        "and sampling there, detokenization and outputs in this process (excludes --profile)")
     r.add_argument("--profile", action="store_true",
                    help="also report NovaInfer's step time split and a profiler table of decode steps")
     r.add_argument("--profile-steps", type=int, default=8, help="decode steps under torch.profiler")
@@ -116,10 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("peer_batch_size", "repeats", "profile_steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.profile:  # it reaches into the engine core, which must live in this process
-        if args.multiprocess:
-            p.error("--profile needs the engine core in this process: it excludes --multiprocess")
-        args.multiprocess = False
+    if args.profile and args.multiprocess:  # the profile reaches into the engine core
+        p.error("--profile needs the engine core in this process: it excludes --multiprocess")
     greedy = {**sampling_settings(p.parse_args([])), "detokenize": args.detokenize}
     if args.peer != "none" and sampling_settings(args) != greedy:
         p.error("the peer runs greedy: pass --peer none with sampling or logprobs flags")

@@ -4,11 +4,8 @@ It is the front-end (tokenization, validation, n>1 fan-out, detokenization, stop
 RequestOutputs) joined to an engine core (scheduler, KV cache manager, executor) by messages
 (``novainfer.core.messages``). The core runs in this process (:class:`EngineCore`) or, with
 ``multiprocess``, in an engine-core process of its own (:class:`SyncMPClient`), which then
-generates while the caller does its own work between steps. By default the core has its own
-process when the model runs on a GPU: the front-end's work (detokenization, logprobs, outputs)
-then runs beside the core's steps instead of between them, and the device is fed without waiting
-for it. On a CPU the model's forward uses the cores that a second process would take, and the
-core stays in this process.
+generates while the caller does its own work between steps; the front-end's work
+(detokenization, logprobs, outputs) then runs beside the core's steps instead of between them.
 """
 
 from __future__ import annotations
@@ -53,12 +50,10 @@ class EngineStats(EngineCoreStats):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
-                 log_stats_interval: float = 5.0, multiprocess: bool | None = None) -> None:
+                 log_stats_interval: float = 5.0, multiprocess: bool = False) -> None:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(self.model_config.tokenizer)
-        if multiprocess is None:
-            multiprocess = executor_class is None and config.device.type == "cuda"
         self.multiprocess = multiprocess
         if multiprocess:
             from novainfer.engine.core_client import SyncMPClient
@@ -74,7 +69,7 @@ class LLMEngine:
         freeze_startup_objects()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, multiprocess: bool | None = None) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
         return cls(args.create_engine_config(), log_stats_interval=args.log_stats_interval,
                    multiprocess=multiprocess)
 

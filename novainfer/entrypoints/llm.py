@@ -21,10 +21,10 @@ class LLM:
     an unknown one is an error. With ``multiprocess`` the engine core (scheduler, KV cache, model)
     runs in a process of its own, as under ``novainfer serve``: it keeps generating while this
     process detokenizes and builds outputs (or the calling script does other work between
-    ``generate_stream`` outputs). None (the default) turns it on for GPUs (see ``LLMEngine``).
+    ``generate_stream`` outputs).
     """
 
-    def __init__(self, model: str | None = None, *, multiprocess: bool | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, *, multiprocess: bool = False, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess)
         self._counter = itertools.count()

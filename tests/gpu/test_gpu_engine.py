@@ -102,7 +102,7 @@ def eager_outputs(model_dir):
 
 def test_cuda_graph_engine_equals_eager(model_dir, eager_outputs):
     prompts, expected = eager_outputs
-    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=64, num_gpu_blocks_override=2048, multiprocess=False)
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=64, num_gpu_blocks_override=2048)
     runner = llm.llm_engine.engine_core.executor.driver_worker.model_runner
     assert runner.graphs, "no CUDA graph was captured"
     assert _generate(llm, prompts, 40) == expected
@@ -136,7 +136,7 @@ def test_prefix_caching_on_gpu_keeps_outputs(model_dir):
 
 
 def _count_replays(llm: LLM) -> dict[str, int]:
-    """Counts the graph replays of ``llm``'s runner by kind, from now on (its core in this process)."""
+    """Counts the graph replays of ``llm``'s runner by kind, from now on."""
     graphs = llm.llm_engine.engine_core.executor.driver_worker.model_runner.graphs
     counts = {"decode": 0, "mixed": 0}
     replay = graphs.replay
@@ -157,7 +157,7 @@ def test_mixed_graph_steps_equal_transformers(model_dir):
     prompts = [shared + tail for tail in random_prompts(vocab_size, [3, 50, 17, 90, 1, 33], seed=12)]
     prompts += random_prompts(vocab_size, [120, 9], seed=13)
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=16,
-              max_cudagraph_capture_size=64, multiprocess=False)
+              max_cudagraph_capture_size=64)
     counts = _count_replays(llm)
     ours = _generate(llm, prompts, 24)
     stats = llm.llm_engine.get_stats()
@@ -176,7 +176,7 @@ def test_graphs_on_and_off_give_the_same_tokens_for_512_requests_under_continuou
     results = {}
     for eager in (True, False):
         llm = LLM(str(model_dir), dtype="float32", enforce_eager=eager, max_num_seqs=64, max_num_batched_tokens=512,
-                  num_gpu_blocks_override=2048, multiprocess=False)
+                  num_gpu_blocks_override=2048)
         counts = None if eager else _count_replays(llm)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],

@@ -58,8 +58,7 @@ def whole_vocabulary(settings: list[SamplingParams]) -> list[SamplingParams]:
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
 def test_decode_steps_of_every_setting_never_sync(enforce_eager, select):
     model_dir = tiny_model()
-    # In this process: the synchronizations are caught where the core runs.
-    llm = LLM(str(model_dir), device="cuda", async_scheduling=True, enforce_eager=enforce_eager, multiprocess=False)
+    llm = LLM(str(model_dir), device="cuda", async_scheduling=True, enforce_eager=enforce_eager)
     engine = llm.llm_engine
     vocab_size = engine.model_config.vocab_size
     try:

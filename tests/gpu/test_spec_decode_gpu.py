@@ -59,7 +59,7 @@ def test_greedy_draft_model_outputs_on_gpu_equal_plain_ones(max_num_seqs, draft)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     plain = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs).generate(inputs, params, use_tqdm=False)
-    llm = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs, multiprocess=False,
+    llm = LLM(str(model), device="cuda", max_num_seqs=max_num_seqs,
               speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 4,
                                   "disable_by_batch_size": None})
     spec = llm.generate(inputs, params, use_tqdm=False)

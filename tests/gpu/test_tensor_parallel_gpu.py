@@ -27,9 +27,8 @@ pytestmark = [pytest.mark.gpu,
 MODEL = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
              intermediate_size=8960, vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6,
              max_position_embeddings=32768, dtype="bfloat16", std=0.05)
-# The engine core in this process: the tests look into its workers.
 ENGINE = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=256, max_num_seqs=8,
-              num_gpu_blocks_override=128, multiprocess=False)
+              num_gpu_blocks_override=128)
 MAX_TOKENS = 32
 BACKENDS = ["uni", "mp"]
 
