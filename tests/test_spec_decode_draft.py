@@ -112,7 +112,10 @@ def test_drafts_are_the_draft_models_greedy_continuations(monkeypatch, prompts, 
 
     def recording(self, target, so, sampled_req_ids):
         drafts_out = propose(self, target, so, sampled_req_ids)
-        recorded.extend((list(target.requests[rid].token_ids), d) for rid, d in zip(sampled_req_ids, drafts_out))
+        assert drafts_out.req_ids == list(sampled_req_ids)
+        for rid, count, row in zip(sampled_req_ids, drafts_out.counts, drafts_out.token_ids.tolist()):
+            assert all(t >= 0 for t in row[:count]) and all(t == -1 for t in row[count:])
+            recorded.append((list(target.requests[rid].token_ids), row[:count]))
         return drafts_out
 
     monkeypatch.setattr(DraftModelProposer, "propose", recording)

@@ -218,7 +218,7 @@ def test_penalty_state_of_each_position_counts_the_drafts_before_it():
     request = np.repeat(np.arange(3), num_drafts + 1)
     position = np.concatenate([np.arange(n + 1) for n in num_drafts])
     metadata = table.gather(request, np.array([len(outputs[b]) for b in request]) + position)
-    add_preceding_drafts(metadata, drafts_np, num_drafts)
+    add_preceding_drafts(metadata, torch.from_numpy(drafts_np), num_drafts)
     for row, (b, j) in enumerate(zip(request, position)):
         emitted = outputs[b] + drafts[b][:j]
         counts = Counter(emitted)

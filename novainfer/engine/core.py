@@ -23,7 +23,7 @@ import msgspec
 from novainfer.config import EngineConfig
 from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
-from novainfer.core.sched.output import SchedulerOutput
+from novainfer.core.sched.output import DEVICE_DRAFT_TOKEN, SchedulerOutput
 from novainfer.core.sched.request import Request, RequestStatus
 from novainfer.core.sched.scheduler import Scheduler, SchedulerStats
 from novainfer.executor.abstract import Executor
@@ -181,9 +181,10 @@ class EngineCore:
         if spec.method == "ngram":
             proposals = self._ngram_drafts(decoding)
         else:
-            by_id = {rid: drafts for output in runner_outputs if output.draft_token_ids is not None
-                     for rid, drafts in zip(output.req_ids, output.draft_token_ids)}
-            proposals = [by_id.get(r.request_id, []) for r in decoding]
+            # Their values stay on the device, where the step that verifies them reads them.
+            by_id = {rid: count for output in runner_outputs if output.num_draft_tokens is not None
+                     for rid, count in zip(output.req_ids, output.num_draft_tokens)}
+            proposals = [[DEVICE_DRAFT_TOKEN] * by_id.get(r.request_id, 0) for r in decoding]
         for request, drafts in zip(decoding, proposals):
             room = min(request.max_tokens - request.num_output_tokens, sched.max_context_len - request.num_tokens) - 1
             request.spec_token_ids = drafts[:max(room, 0)]

@@ -102,24 +102,26 @@ def _num_accepted(accept: torch.Tensor) -> torch.Tensor:
     return accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def add_preceding_drafts(metadata: SamplingMetadata, draft_token_ids: np.ndarray, num_draft_tokens: np.ndarray) -> None:
+def add_preceding_drafts(metadata: SamplingMetadata, draft_token_ids: torch.Tensor,
+                         num_draft_tokens: np.ndarray) -> None:
     """Penalties under speculation: the rows of a step that verifies request b's drafts d_1..d_n
-    (row b of ``draft_token_ids`` [B, k], ``num_draft_tokens[b]`` of them) are its n + 1 positions,
-    consecutive and in request order, and the row of position j is scored as if d_1..d_j had been
-    emitted (they have, wherever that row's token is used: the drafts before it were all accepted).
-    Adds them to the rows' output counts and seen-token masks, which ``metadata`` holds as copies
-    gathered for this step."""
+    (row b of ``draft_token_ids`` [B, k] on the device, ``num_draft_tokens[b]`` of them) are its
+    n + 1 positions, consecutive and in request order, and the row of position j is scored as if
+    d_1..d_j had been emitted (they have, wherever that row's token is used: the drafts before it
+    were all accepted). Adds them to the rows' output counts and seen-token masks, which
+    ``metadata`` holds as copies gathered for this step. The drafts are read where they are (the
+    host only knows how many each request has)."""
     k = draft_token_ids.shape[1]
     counts = num_draft_tokens + 1
     starts = np.cumsum(counts) - counts
     position, before = np.tril_indices(k + 1, -1)  # every (position j, draft index i < j)
-    valid = position[None, :] <= num_draft_tokens[:, None]
-    rows = (starts[:, None] + position[None, :])[valid]
-    if not len(rows):
+    request, pair = np.nonzero(position[None, :] <= num_draft_tokens[:, None])
+    if not len(request):
         return
     device = metadata.temperature.device
-    rows_d, tokens_d = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
-                        for a in (rows, draft_token_ids[:, before][valid]))
+    rows_d, request_d, before_d = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(
+        device, non_blocking=True) for a in (starts[request] + position[pair], request, before[pair]))
+    tokens_d = draft_token_ids.to(device)[request_d, before_d]
     if metadata.output_token_counts is not None:
         table = metadata.output_token_counts
         table.index_put_((rows_d, tokens_d), torch.ones_like(rows_d, dtype=table.dtype), accumulate=True)

@@ -20,7 +20,9 @@ After every step the draft runs in two parts:
 
 The drafts' positions are not counted as computed by the draft: the next catch-up recomputes those
 that the target accepted (a few tokens per request, in the one forward that also feeds the newest
-token). Drafts reach the host in one copy at the end.
+token). Drafts stay on the device (:class:`DeviceDrafts`): the host learns only how many each request
+got, and the step that verifies them reads their values there, so it is launched right behind the
+draft's forwards without waiting for them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from novainfer.sample.state import copy_to_device
+from novainfer.worker.model_runner import DeviceDrafts
 
 if TYPE_CHECKING:
     from novainfer.core.sched.output import SchedulerOutput
@@ -44,10 +49,10 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
 
-    def propose(self, target: ModelRunner, so: SchedulerOutput, sampled_req_ids: Sequence[str]) -> list[list[int]]:
+    def propose(self, target: ModelRunner, so: SchedulerOutput, sampled_req_ids: Sequence[str]) -> DeviceDrafts:
         """Runs the draft after a step of ``target`` whose sampled tokens are on the host; returns the
-        drafts of each request of ``sampled_req_ids``, in that order (fewer than k where its KV
-        slots end, none while more requests run than ``disable_by_batch_size``)."""
+        drafts of each request of ``sampled_req_ids``, in that order, on the device (fewer than k
+        where its KV slots end, none while more requests run than ``disable_by_batch_size``)."""
         sampled = set(sampled_req_ids)
         states = [target.requests[rid] for rid in so.num_scheduled_tokens]
         capacity = np.fromiter((s.num_blocks for s in states), np.int64, len(states)) * target.block_size
@@ -60,7 +65,7 @@ class DraftModelProposer:
         states = [s for s, k in zip(states, keep) if k]
         capacity, ends, begins = capacity[keep], ends[keep], begins[keep]
         if not states:
-            return [[] for _ in sampled_req_ids]
+            return self._no_drafts(sampled_req_ids)
         # Drafts of a request that sampled and whose newest token the draft computes: forward j
         # writes position end - 1 + j, which needs a slot.
         proposes = [s.req_id in sampled and end == len(s.token_ids) for s, end in zip(states, ends.tolist())]
@@ -69,8 +74,16 @@ class DraftModelProposer:
             num_drafts[:] = 0
         first = self._catch_up(target, states, begins, ends, num_drafts > 0)
         drafts = self._propose(target, states, ends, num_drafts, first)
-        by_id = {s.req_id: row for s, row in zip(states, drafts)}
-        return [by_id.get(rid, []) for rid in sampled_req_ids]
+        # Rows in the order of sampled_req_ids; a request without drafts reads the last row (none).
+        row_of = {s.req_id: row for row, s in enumerate(states)}
+        rows = np.fromiter((row_of.get(rid, len(states)) for rid in sampled_req_ids), np.int64, len(sampled_req_ids))
+        counts = np.append(num_drafts, 0)[rows]
+        (rows_d,) = copy_to_device([rows], drafts.device)
+        return DeviceDrafts(list(sampled_req_ids), counts.tolist(), drafts[rows_d])
+
+    def _no_drafts(self, req_ids: Sequence[str]) -> DeviceDrafts:
+        return DeviceDrafts(list(req_ids), [0] * len(req_ids),
+                            torch.full((len(req_ids), self.k), -1, dtype=torch.int64, device=self.runner.device))
 
     def _catch_up(self, target: ModelRunner, states: list[CachedRequestState], begins: np.ndarray,
                   ends: np.ndarray, proposing: np.ndarray) -> torch.Tensor:
@@ -87,9 +100,10 @@ class DraftModelProposer:
         return first
 
     def _propose(self, target: ModelRunner, states: list[CachedRequestState], ends: np.ndarray,
-                 num_drafts: np.ndarray, first: torch.Tensor) -> list[list[int]]:
-        """The one-token forwards after the catch-up; returns each state's drafts (host lists). The
-        forwards' tokens stay on the device, where the next forward reads them, until one copy."""
+                 num_drafts: np.ndarray, first: torch.Tensor) -> torch.Tensor:
+        """The one-token forwards after the catch-up; returns the drafts [len(states) + 1, k] on the
+        device, row i those of ``states[i]`` (then -1), and a last row of none. Each forward reads
+        the tokens of the one before on the device."""
         proposing = np.flatnonzero(num_drafts > 0)
         outputs, owners = [first], [proposing]  # each forward's tokens, and the states they belong to
         for j in range(1, self.k):
@@ -105,11 +119,11 @@ class DraftModelProposer:
                                                    block_tables, np.arange(num), token_sources=np.flatnonzero(still),
                                                    previous_tokens=outputs[-1]))
             owners.append(seqs)
-        tokens = torch.cat(outputs).tolist()
-        result: list[list[int]] = [[] for _ in states]
-        for i, token in zip(np.concatenate(owners).tolist(), tokens):  # forward by forward: drafts in order
-            result[i].append(token)
-        return result
+        drafts = torch.full(((len(states) + 1) * self.k,), -1, dtype=torch.int64, device=first.device)
+        # Forward j wrote draft j of its owners: entry owner * k + j.
+        (slots,) = copy_to_device([np.concatenate([seqs * self.k + j for j, seqs in enumerate(owners)])], first.device)
+        drafts[slots] = torch.cat(outputs)
+        return drafts.view(len(states) + 1, self.k)
 
     @staticmethod
     def _block_tables(target: ModelRunner, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ import torch
 from novainfer.attention import AttentionBackend, AttentionMetadata
 from novainfer.attention.backends.selector import get_attn_backend
 from novainfer.config import CacheConfig, ModelConfig
-from novainfer.core.sched.output import SchedulerOutput
+from novainfer.core.sched.output import DEVICE_DRAFT_TOKEN, SchedulerOutput
 from novainfer.layers.vocab_parallel_embedding import ParallelLMHead
 from novainfer.model_loader import load_model
 from novainfer.models.compile import compile_model
@@ -204,9 +204,24 @@ class ModelRunnerOutput:
     # per request of ``req_ids`` the row of its first new token (-1: it asked for none).
     logprobs: StepLogprobs | None = None
     logprobs_rows: list[int] | None = None
-    # Per request of ``req_ids``, the drafts a draft model proposes for its next step (speculative
-    # decoding's "draft_model" method; None otherwise).
-    draft_token_ids: list[list[int]] | None = None
+    # Per request of ``req_ids``, how many drafts a draft model proposed for its next step
+    # (speculative decoding's "draft_model" method; None otherwise). Their values stay on the
+    # device (the runner's ``device_drafts``); the next step names them DEVICE_DRAFT_TOKEN.
+    num_draft_tokens: list[int] | None = None
+
+
+@dataclass
+class DeviceDrafts:
+    """A draft model's proposals, left on the device: row i of ``token_ids`` [R, k] int64 holds the
+    ``counts[i]`` drafts of ``req_ids[i]`` (then -1). The step that verifies them reads them there,
+    so the host never waits for them."""
+
+    req_ids: list[str]
+    counts: list[int]
+    token_ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.rows = {rid: row for row, rid in enumerate(self.req_ids)}
 
 
 class ModelRunner:
@@ -243,6 +258,8 @@ class ModelRunner:
         self._split_lm_head: ParallelLMHead | None = None
         # The last step launched by execute_model whose tokens the host has not fetched yet.
         self._in_flight: SampledStep | None = None
+        # The draft model's latest proposals (speculative decoding), which the next step verifies.
+        self.device_drafts: DeviceDrafts | None = None
 
     # ---- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -645,6 +662,10 @@ class ModelRunner:
         num_outputs: list[int] = []
         spec_tokens = so.scheduled_spec_decode_tokens
         num_drafts: list[int] = []  # per sampling request (speculative steps)
+        device_drafts = self._device_drafts_of(spec_tokens)
+        if device_drafts is not None and in_flight_rows:
+            raise RuntimeError("a step verifying device drafts follows a step left in flight; speculative "
+                               "steps are never pipelined")
         for i, (rid, num_tokens) in enumerate(so.num_scheduled_tokens.items()):
             state = self.requests[rid]
             drafts = spec_tokens.get(rid, ()) if spec_tokens else ()
@@ -662,7 +683,13 @@ class ModelRunner:
                 input_ids.append(state.token_ids[start])
             else:
                 input_ids.extend(state.token_ids[start:start + num_tokens - len(drafts)])
-                input_ids.extend(drafts)
+                if device_drafts is not None and drafts:
+                    # Read on the device: entry j of the request's row of the proposals.
+                    first = device_drafts.rows[rid] * device_drafts.token_ids.shape[1]
+                    sources += [(len(input_ids) + j, first + j) for j in range(len(drafts))]
+                    input_ids.extend([0] * len(drafts))
+                else:
+                    input_ids.extend(drafts)
             state.num_computed_tokens = start + num_tokens
             if start + num_tokens - len(drafts) == num_known + in_flight:
                 sampling.append(state)
@@ -686,17 +713,20 @@ class ModelRunner:
             token_sources = np.full(len(input_ids), -1, dtype=np.int64)
             index, source_rows = zip(*sources)
             token_sources[list(index)] = source_rows
+        source_tokens = None  # what token_sources index: the step in flight's tokens, or device drafts
+        if sources:
+            source_tokens = previous.device_tokens if device_drafts is None else device_drafts.token_ids.view(-1)
         staged = self._stage(np.asarray(input_ids, dtype=np.int64), query_lens, start_pos,
                              self.block_table_rows[rows, :max_blocks], logits_indices, greedy=argmax_only,
-                             token_sources=token_sources,
-                             previous_tokens=previous.device_tokens if sources else None)
+                             token_sources=token_sources, previous_tokens=source_tokens)
         if on_staged is not None:
             on_staged(staged)
         head_output = self._compute_logits(self._load(staged))
         if not sampling:
             return None
         if spec_tokens:
-            return self._verify_drafts(sampling, num_outputs, num_drafts, spec_tokens, head_output, argmax_only)
+            return self._verify_drafts(sampling, num_outputs, num_drafts, spec_tokens, head_output, argmax_only,
+                                       device_drafts)
         if argmax_only:
             sampled, logprobs = self._greedy_tokens(head_output), None
         elif num_logprobs is not None:  # greedy with logprobs: both off the whole logits, without the sampler
@@ -712,9 +742,21 @@ class ModelRunner:
             self.sampling_table.record_sampled(metadata, sampled)
         return SampledStep.start_copy(sampling, sampled, logprobs)
 
+    def _device_drafts_of(self, spec_tokens: dict[str, list[int]]) -> DeviceDrafts | None:
+        """The device drafts a step verifies, if its drafts are the draft model's (then every request's
+        drafts are in them: one proposer serves a run)."""
+        drafts = next((d for d in spec_tokens.values() if d), None) if spec_tokens else None
+        if drafts is None or drafts[0] != DEVICE_DRAFT_TOKEN:
+            return None
+        device_drafts = self.device_drafts
+        missing = [rid for rid in spec_tokens if device_drafts is None or rid not in device_drafts.rows]
+        if missing:
+            raise RuntimeError(f"requests {missing[:4]} verify device drafts that no proposal holds")
+        return device_drafts
+
     def _verify_drafts(self, sampling: list[CachedRequestState], num_outputs: list[int], num_drafts: list[int],
                        spec_tokens: dict[str, list[int]], head_output: torch.Tensor,
-                       plain_greedy: bool) -> SampledStep:
+                       plain_greedy: bool, device_drafts: DeviceDrafts | None) -> SampledStep:
         """Speculative decoding: rejection sampling of each request's drafts against the target's
         distributions at its rows of ``head_output`` (the last known token's, then one per draft).
 
@@ -729,10 +771,17 @@ class ModelRunner:
         k = int(counts.max()) - 1
         # Request b's rows padded to k + 1 positions (the padding repeats its last row, never read).
         index_np = starts[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None] - 1)
-        drafts_np = np.full((len(sampling), k), -1, dtype=np.int64)  # padding that matches no token
-        for b, state in enumerate(sampling):
-            drafts_np[b, :num_drafts[b]] = spec_tokens.get(state.req_id, ())
-        index, drafts, num_drafts_d = copy_to_device([index_np, drafts_np, counts - 1], self.device)
+        if device_drafts is None:
+            drafts_np = np.full((len(sampling), k), -1, dtype=np.int64)  # padding that matches no token
+            for b, state in enumerate(sampling):
+                drafts_np[b, :num_drafts[b]] = spec_tokens.get(state.req_id, ())
+            index, drafts, num_drafts_d = copy_to_device([index_np, drafts_np, counts - 1], self.device)
+        else:
+            # Each request's row of the proposals, cut to its drafts (the scheduler may have kept fewer).
+            rows_np = np.fromiter((device_drafts.rows.get(s.req_id, 0) for s in sampling), np.int64, len(sampling))
+            index, num_drafts_d, proposal_rows = copy_to_device([index_np, counts - 1, rows_np], self.device)
+            proposed = device_drafts.token_ids[proposal_rows, :k]
+            drafts = torch.where(torch.arange(k, device=proposed.device) < num_drafts_d[:, None], proposed, -1)
         if plain_greedy:
             out = greedy_verify(self._greedy_tokens(head_output)[index], drafts)
             return SampledStep.start_copy(sampling, out.token_ids, None, out.num_tokens)
@@ -742,7 +791,7 @@ class ModelRunner:
         full_logits = self._full_logits(head_output).float()
         logits = apply_min_tokens(full_logits, metadata)
         if not metadata.no_penalties:
-            add_preceding_drafts(metadata, drafts_np, counts - 1)
+            add_preceding_drafts(metadata, drafts, counts - 1)
             logits = apply_penalties(logits, metadata)
         if metadata.all_greedy:
             out = greedy_verify(logits.argmax(dim=-1)[index], drafts)

@@ -252,8 +252,9 @@ class Worker:
         ``outputs`` holds this step's tokens, if it sampled) and adds its drafts to the output."""
         sampled = outputs[-1] if outputs else None
         drafts = self.drafter.propose(self.model_runner, scheduler_output, sampled.req_ids if sampled else [])
+        self.model_runner.device_drafts = drafts
         if sampled is not None:
-            sampled.draft_token_ids = drafts
+            sampled.num_draft_tokens = drafts.counts
 
     def check_health(self) -> None:
         if self.model_runner is None or self.model_runner.model is None:

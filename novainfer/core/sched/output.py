@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from novainfer.sampling_params import SamplingParams
 
 
+# The value of a draft token that stays on the device where the draft model proposed it: the
+# scheduler counts such drafts, the workers read their values there.
+DEVICE_DRAFT_TOKEN = -1
+
+
 @dataclass
 class NewRequestData:
     """A request the workers have not seen yet, or one resumed after preemption (recomputed)."""
