@@ -13,7 +13,11 @@ from the engine's counters over the timed runs only.
   time of the same requests generating one token, i.e. the prefill) / (output_len - 1): the
   time of one decode step of the batch (every request gets one token per plain step). Drafts are
   proposed at every batch size here (``disable_by_batch_size`` None unless the configuration names
-  it), so that each figure shows what speculation does at that size.
+  it), so that each figure shows what speculation does at that size. Where the time goes, from the
+  engine's counters over the timed runs: engine steps, tokens per step, ms per step and the
+  executor's share (forward, sampling, verification and, with a draft model, its forwards); with
+  ``--profile`` (CUDA) also the device's busy time per step (the union of the kernels' intervals
+  under torch.profiler, one more run) and its top kernels.
 * ``throughput``: benchmarks/throughput.py's runner on its nano-vllm workload (random prompts,
   uniform lengths, token ids only; its flags keep throughput.py's names, with nano-vllm's lengths),
   speculation on (the configuration's ``disable_by_batch_size`` as given, else its default)
@@ -78,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs compared between the sides)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads' random draws")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; medians are reported")
+    p.add_argument("--profile", action="store_true",
+                   help="decode: also the device's busy time per engine step and its top kernels (CUDA)")
     add_output_arguments(p, "spec_decode_<device>_<model>")
     args = p.parse_args(argv)
     if max(args.batch_sizes) > args.max_num_seqs:
@@ -144,17 +150,54 @@ def measure_decode(llm, prompts: list[list[int]], args: argparse.Namespace) -> t
     """Decode ms per token of a batch (see the module docstring) and the acceptance of its timed runs."""
     for _ in range(args.warmup):
         timed_generate(llm, prompts, args.output_len)
-    before = SpecCounts.of(llm)
+    before, stats_before = SpecCounts.of(llm), llm.llm_engine.get_stats()
     runs = [timed_generate(llm, prompts, args.output_len) for _ in range(args.repeats)]
     acceptance = SpecCounts.of(llm).since(before)
+    steps = step_split(stats_before, llm.llm_engine.get_stats())
+    if args.profile and llm.llm_engine.config.device.type == "cuda":
+        steps.update(profile_device(llm, prompts, args.output_len))
     full, tokens = [seconds for seconds, _ in runs], runs[-1][1]
     prefill = [timed_generate(llm, prompts, 1)[0] for _ in range(args.warmup + args.repeats)][args.warmup:]
     decode_s = statistics.median(full) - statistics.median(prefill)
     result = {"ms_per_token": round(1e3 * decode_s / (args.output_len - 1), 4),
               "generate_s_median": round(statistics.median(full), 4),
               "prefill_s_median": round(statistics.median(prefill), 4),
-              "generate_s_runs": [round(s, 4) for s in full], **acceptance}
+              "generate_s_runs": [round(s, 4) for s in full], **acceptance, "steps": steps}
     return result, tokens
+
+
+def step_split(before, after) -> dict[str, Any]:
+    """The engine's steps between two stats snapshots: how many, tokens and ms per step, the executor's ms."""
+    steps = after.num_steps - before.num_steps
+    per_step = (lambda total: round(total / steps, 4) if steps else None)
+    return {"engine_steps": steps,
+            "tokens_per_engine_step": per_step(after.generation_tokens_total - before.generation_tokens_total),
+            "ms_per_engine_step": per_step(1e3 * (after.step_time_total - before.step_time_total)),
+            "executor_ms_per_engine_step": per_step(1e3 * (after.model_time_total - before.model_time_total))}
+
+
+def profile_device(llm, prompts: list[list[int]], max_tokens: int, top: int = 8) -> dict[str, Any]:
+    """One more generate under torch.profiler: the device's busy ms per engine step (the union of the
+    kernels' intervals, copies included) and the kernels with the most time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    steps_before = llm.llm_engine.get_stats().num_steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed_generate(llm, prompts, max_tokens)
+        torch.cuda.synchronize()
+    steps = llm.llm_engine.get_stats().num_steps - steps_before
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    busy_us, end = 0.0, float("-inf")
+    for start, stop in intervals:  # the union: overlapping kernels count once
+        busy_us += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    kernels = sorted((e for e in prof.key_averages() if e.device_type.name == "CUDA"),
+                     key=lambda e: -e.self_device_time_total)[:top]
+    per_step = (lambda value: round(value / steps, 4) if steps else None)
+    return {"profiled_engine_steps": steps, "device_busy_ms_per_engine_step": per_step(busy_us / 1e3),
+            "top_kernels": [{"kernel": e.key[:100], "ms_per_engine_step": per_step(e.self_device_time_total / 1e3),
+                             "calls_per_engine_step": per_step(e.count)} for e in kernels]}
 
 
 # ---- the two sides ----------------------------------------------------------------------------------
@@ -264,9 +307,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def print_summary(results: dict[str, Any]) -> None:
     print(f"\n{'':28} {'off':>12} {'on':>12} {'on vs off':>10} {'acceptance':>11} {'mean len':>9}")
-    for name, f in results.get("decode", {}).get("figures", {}).items():
+    figures = results.get("decode", {}).get("figures", {})
+    for name, f in figures.items():
         print(f"{'decode ms/token ' + name:28} {f['off']['ms_per_token']:12.3f} {f['on']['ms_per_token']:12.3f} "
               f"{f['speedup']:9.2f}x {_fmt(f['on']['acceptance_rate']):>11} {_fmt(f['on']['mean_accepted_length']):>9}")
+    for name, f in figures.items():
+        for side in ("off", "on"):
+            s = f[side]["steps"]
+            busy = s.get("device_busy_ms_per_engine_step")
+            print(f"  {name}, speculation {side}: {s['engine_steps']} engine steps of "
+                  f"{_fmt(s['tokens_per_engine_step'])} tokens, {_fmt(s['ms_per_engine_step'])} ms each "
+                  f"(executor {_fmt(s['executor_ms_per_engine_step'])})"
+                  + ("" if busy is None else f", device busy {busy:.3f} ms"))
     t = results.get("throughput")
     if t is not None:
         print(f"{'throughput output tok/s':28} {t['off']['output_tokens_per_s']:12.1f} "

@@ -144,6 +144,10 @@ def test_spec_decode_benchmark_reports_the_acceptance_of_each_figure(tmp_path):
         drafts, draft_tokens, accepted, per_pos = recount_speculation(prompts, outputs, k, max_n, output_len)
         on = figure["on"]
         assert (on["drafts"], on["draft_tokens"], on["accepted_tokens"]) == (drafts, draft_tokens, accepted)
+        off_steps, on_steps = figure["off"]["steps"], on["steps"]
+        assert off_steps["tokens_per_engine_step"] * off_steps["engine_steps"] == b * output_len  # one timed run
+        if b == 1:  # each accepted draft is a step the lone request did not take
+            assert off_steps["engine_steps"] - on_steps["engine_steps"] == accepted > 0
         assert on["acceptance_rate"] == figure["acceptance_rate"] == round(accepted / draft_tokens, 4)
         assert on["acceptance_rate_per_position"] == [round(n / drafts, 4) for n in per_pos]
         # Timings: present (their values depend on the machine's load, e.g. a prefill run slower than the whole).
