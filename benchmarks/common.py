@@ -238,9 +238,17 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 # ---- the engines under test ------------------------------------------------------------------------
+def add_attention_backend_argument(g: argparse._ArgumentGroup) -> None:
+    from novainfer.attention.backends.selector import BACKEND_NAMES
+
+    g.add_argument("--attention-backend", default=None, choices=BACKEND_NAMES,
+                   help="default: the fastest for the device (triton on CUDA, sdpa on CPU)")
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """NovaInfer's engine arguments that a benchmark sets (vLLM's names)."""
     g = p.add_argument_group("NovaInfer engine")
+    add_attention_backend_argument(g)
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=16384, help="most tokens per step")
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
@@ -284,7 +292,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               "disable_custom_all_reduce": args.disable_custom_all_reduce,
               "enable_vocab_parallel": args.enable_vocab_parallel, "async_scheduling": args.async_scheduling,
               "enable_prefix_caching": args.enable_prefix_caching,
-              "speculative_config": args.speculative_config}
+              "speculative_config": args.speculative_config, "attention_backend": args.attention_backend}
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     return kwargs

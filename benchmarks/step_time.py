@@ -38,8 +38,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (add_model_arguments, add_output_arguments, load_average, release_device_memory,
-                               resolve_model_args, run_facts, scrub_path, write_results)
+from benchmarks.common import (add_attention_backend_argument, add_model_arguments, add_output_arguments, load_average,
+                               release_device_memory, resolve_model_args, run_facts, scrub_path, write_results)
 
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     w.add_argument("--compile", default="both", choices=["off", "on", "both"],
                    help="compilation_level 0, 1 or both, one after the other")
+    add_attention_backend_argument(w)
     w.add_argument("--plain-triton-launches", action="store_true",
                    help="launch the Triton kernels through kernel[grid] (JITFunction.run) instead of directly")
     r = p.add_argument_group("runs")
@@ -153,8 +154,10 @@ def run_variant(args, model_dir: str, device, compilation_level: int) -> dict[st
     max_len = args.context + 2
     blocks_each = -(-max_len // bs)
     # (The option is left out when off, so that the script also measures trees from before it.)
-    level = {"compilation_level": compilation_level} if compilation_level else {}
-    runner = ModelRunner(ModelConfig(model_dir, dtype=args.dtype, max_model_len=max_len, enforce_eager=True, **level),
+    options = {"compilation_level": compilation_level} if compilation_level else {}
+    if args.attention_backend is not None:
+        options["attention_backend"] = args.attention_backend
+    runner = ModelRunner(ModelConfig(model_dir, dtype=args.dtype, max_model_len=max_len, enforce_eager=True, **options),
                          CacheConfig(block_size=bs), device)
     started = time.perf_counter()
     runner.load_model()
@@ -187,7 +190,8 @@ def run_variant(args, model_dir: str, device, compilation_level: int) -> dict[st
         host_profile = _host_profile(forward, args.profile_steps, runner.model_config.num_layers, args.host_top)
         _synchronize(device)
     compiled = getattr(getattr(model, "model", None), "compiled_forward", None)
-    result = {"compilation_level": compilation_level, "load_s": round(load_s, 2), "first_step_s": round(first_s, 3),
+    result = {"compilation_level": compilation_level, "attention_backend": runner.attn_backend.name,
+              "load_s": round(load_s, 2), "first_step_s": round(first_s, 3),
               "compilations": compiled.num_compilations if compiled is not None else 0,
               "host_ms": round(1e3 * statistics.median(host), 3), "wall_ms": round(1e3 * statistics.median(wall), 3),
               **profiled, "host_profile": host_profile}

@@ -1,4 +1,5 @@
-"""``TorchReferenceBackend`` (paged, varlen, GQA) against a naive per-sequence, per-query loop.
+"""``TorchReferenceBackend`` (paged, varlen, GQA) and ``TorchSDPABackend`` (its fused variant, the
+CPU default) against a naive per-sequence, per-query loop: every test runs with each.
 
 Every test states its step as sequences of ``(start_pos, query_len, block_table)`` over full
 per-sequence Q/K/V; the metadata is built here with plain loops, the prefix tokens' K/V are
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from novainfer.attention.backends import AttentionMetadata, TorchReferenceBackend
+from novainfer.attention.backends import AttentionMetadata, TorchReferenceBackend, TorchSDPABackend
 from novainfer.config import CacheConfig, ModelConfig
 from novainfer.worker.model_runner import ModelRunner, SequenceInput
 from tests.utils import tiny_model
@@ -25,6 +26,13 @@ SCALE = HEAD_DIM ** -0.5
 ATOL = 2e-5
 GQA_RATIOS = [1, 2, 4]
 BLOCK_SIZES = [1, 4, 16]
+BACKEND = TorchReferenceBackend  # the backend under test, set per test by ``backend``
+
+
+@pytest.fixture(autouse=True, params=[TorchReferenceBackend, TorchSDPABackend], ids=["torch", "sdpa"])
+def backend(request, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.BACKEND", request.param)
+    return request.param
 
 
 @dataclass
@@ -70,7 +78,7 @@ def build_metadata(steps: list[tuple[int, int, list[int]]], block_size: int) -> 
     width = max(len(t) for _, _, t in steps)
     tables = [list(t) + [0] * (width - len(t)) for _, _, t in steps]
     slots = [slot_of(t, pos, block_size) for (s, q, t) in steps for pos in range(s, s + q)]
-    backend = TorchReferenceBackend()
+    backend = BACKEND()
     metadata = AttentionMetadata(
         num_tokens=starts[-1], num_seqs=len(steps), block_size=block_size,
         max_query_len=max(query_lens), max_seq_len=max(seq_lens),
@@ -274,7 +282,8 @@ def test_bfloat16_cache_and_inputs():
 # ---- the same through ModelRunner.prepare_inputs ------------------------------------------------
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_model_runner_metadata_drives_the_backend(block_size):
-    runner = ModelRunner(ModelConfig(str(tiny_model())), CacheConfig(block_size=block_size), torch.device("cpu"))
+    runner = ModelRunner(ModelConfig(str(tiny_model())), CacheConfig(block_size=block_size), torch.device("cpu"),
+                         attn_backend=BACKEND())
     gen = torch.Generator().manual_seed(block_size)
     specs = [(12, 5), (1, 0), (19, 0)]  # (length, cached)
     seqs = [make_seq(n, 2, gen) for n, _ in specs]

@@ -8,12 +8,13 @@ import sys
 import pytest
 import torch
 
-from novainfer.attention import BACKEND_NAMES, TorchReferenceBackend, get_attn_backend
+from novainfer.attention import BACKEND_NAMES, TorchReferenceBackend, TorchSDPABackend, get_attn_backend
 
 
-def test_cpu_gets_the_reference_backend():
-    assert isinstance(get_attn_backend(torch.device("cpu")), TorchReferenceBackend)
-    assert get_attn_backend(torch.device("cpu"), "torch").name == "torch"
+def test_cpu_gets_fused_attention_and_the_reference_on_request():
+    assert isinstance(get_attn_backend(torch.device("cpu")), TorchSDPABackend)
+    reference = get_attn_backend(torch.device("cpu"), "torch")
+    assert type(reference) is TorchReferenceBackend and reference.name == "torch"
 
 
 def test_unknown_name_lists_the_allowed_values():

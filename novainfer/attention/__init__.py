@@ -1,9 +1,9 @@
 from novainfer.attention.backends import (BACKEND_NAMES, AttentionBackend, AttentionMetadata, TorchReferenceBackend,
-                                          get_attn_backend)
+                                          TorchSDPABackend, get_attn_backend)
 from novainfer.attention.layer import Attention
 
 __all__ = ["BACKEND_NAMES", "Attention", "AttentionBackend", "AttentionMetadata", "TorchReferenceBackend",
-           "TritonAttentionBackend", "get_attn_backend"]
+           "TorchSDPABackend", "TritonAttentionBackend", "get_attn_backend"]
 
 
 def __getattr__(name: str):

@@ -35,7 +35,7 @@ DECODE_ABORTED = 2
 DECODE_INVALID = -1
 DECODE_FATAL = -3
 
-ATTENTION_CHOICES = ("auto", "torch", "triton", "masked")
+ATTENTION_CHOICES = ("auto", "torch", "sdpa", "triton", "masked")
 
 
 class _InvalidInput(ValueError):

@@ -36,7 +36,7 @@ class EngineArgs:
     # Schedule and launch each step before the previous one's tokens reach the host, so that the
     # host's work overlaps the device's. None: on for GPUs (a CPU computes while it schedules).
     async_scheduling: bool | None = None
-    attention_backend: str | None = None  # "torch" or "triton"; default: the fastest for the device
+    attention_backend: str | None = None  # "torch", "sdpa" or "triton"; default: the fastest for the device
     # 1: torch.compile (inductor) of the model forward for the steps without a CUDA graph; 0: none.
     compilation_level: int = 0
     tensor_parallel_size: int = 1

@@ -1,8 +1,8 @@
 from novainfer.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from novainfer.attention.backends.selector import BACKEND_NAMES, get_attn_backend
-from novainfer.attention.backends.torch_ref import TorchReferenceBackend
+from novainfer.attention.backends.torch_ref import TorchReferenceBackend, TorchSDPABackend
 
-__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "TorchReferenceBackend",
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "TorchReferenceBackend", "TorchSDPABackend",
            "TritonAttentionBackend", "get_attn_backend"]
 
 

@@ -1,4 +1,4 @@
-"""Picks the attention backend for a device (Triton on CUDA, the PyTorch reference elsewhere)."""
+"""Picks the attention backend for a device (Triton on CUDA, PyTorch's fused attention elsewhere)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import importlib.util
 import torch
 
 from novainfer.attention.backends.abstract import AttentionBackend
-from novainfer.attention.backends.torch_ref import TorchReferenceBackend
+from novainfer.attention.backends.torch_ref import TorchReferenceBackend, TorchSDPABackend
 
-BACKEND_NAMES = ("torch", "triton")
+# torch: the reference (einsum, the oracle); sdpa: the same with scaled_dot_product_attention.
+BACKEND_NAMES = ("torch", "sdpa", "triton")
 
 
 def _triton_available() -> bool:
@@ -20,9 +21,11 @@ def get_attn_backend(device: torch.device, name: str | None = None) -> Attention
     """A new backend instance: ``name`` if given (one of BACKEND_NAMES), else the fastest for ``device``."""
     device = torch.device(device)
     if name is None:
-        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+        name = "triton" if device.type == "cuda" and _triton_available() else "sdpa"
     if name == "torch":
         return TorchReferenceBackend()
+    if name == "sdpa":
+        return TorchSDPABackend()
     if name == "triton":
         if device.type != "cuda":
             raise ValueError(f"attention backend 'triton' needs a CUDA device, got device {device}")
