@@ -1,5 +1,6 @@
 """``LLM(..., multiprocess=True)``: the engine core in a process of its own under the offline API
-gives the same outputs as the in-process engine (the default), empties its prefix cache when asked, and its process ends with ``shutdown`` or, for a script that never calls it, when the
+gives the same outputs as the in-process engine (the default), empties its prefix cache when
+asked, and its process ends with ``shutdown`` or, for a script that never calls it, when the
 script exits."""
 
 from __future__ import annotations

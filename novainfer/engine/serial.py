@@ -2,7 +2,8 @@
 
 Front-end -> core: :class:`AddRequests`, :class:`AbortRequests` (each a batch), :class:`ResetPrefixCache`,
 :class:`Shutdown`. Core -> front-end: :class:`CoreReady` once, then one :class:`EngineCoreOutputs` per
-step, :class:`PrefixCacheReset` per ResetPrefixCache, or :class:`CoreFailed` as its last word. Only plain data crosses: no pickling on the hot path.
+step, a :class:`PrefixCacheReset` per ResetPrefixCache, or :class:`CoreFailed` as its last word. Only
+plain data crosses: no pickling on the hot path.
 """
 
 from __future__ import annotations

@@ -219,6 +219,7 @@ class DeviceDrafts:
     req_ids: list[str]
     counts: list[int]
     token_ids: torch.Tensor
+    rows: dict[str, int] = field(init=False)  # req_id -> its row
 
     def __post_init__(self) -> None:
         self.rows = {rid: row for row, rid in enumerate(self.req_ids)}

@@ -3,10 +3,12 @@
 It gathers each sequence's context from the paged cache into a padded [B, max_seq_len] view and
 runs masked attention in float32: written out with einsum and softmax in the reference
 (:class:`TorchReferenceBackend`, the oracle), fused by PyTorch's ``scaled_dot_product_attention``
-in :class:`TorchSDPABackend` (the default on CPUs; the same gathering, padding and masks). Decoding sequences (one query each) and sequences computing a
-prompt chunk are padded separately: padding every decode to the longest prompt chunk of the step
-would multiply the work of a mixed step by that chunk's length. Prompt chunks are grouped by size
-for the same reason: padding 64 prompts of about 200 tokens to one of 1,500 would do 50x the work.
+in :class:`TorchSDPABackend` (the default on CPUs; the same gathering, padding and masks).
+
+Decoding sequences (one query each) and sequences computing a prompt chunk are padded separately:
+padding every decode to the longest prompt chunk of the step would multiply the work of a mixed
+step by that chunk's length. Prompt chunks are grouped by size for the same reason: padding 64
+prompts of about 200 tokens to one of 1,500 would do 50x the work.
 """
 
 from __future__ import annotations
