@@ -26,6 +26,7 @@ from novainfer.engine.arg_utils import EngineArgs
 from novainfer.entrypoints.cli.args import add_engine_args, engine_args_from
 from novainfer.tiny_model import build_tokenizer, cache_root, write_once
 from novainfer.worker.cuda_graphs import GraphKey, StepGraphs
+from novainfer.worker import draft_proposer
 from novainfer.worker.draft_proposer import DraftModelProposer
 from tests.test_spec_decode import (  # noqa: F401 (fixtures)
     CONFIGS,
@@ -114,7 +115,7 @@ def test_drafts_are_the_draft_models_greedy_continuations(monkeypatch, prompts, 
         drafts_out = propose(self, target, so, sampled_req_ids)
         assert drafts_out.req_ids == list(sampled_req_ids)
         for rid, count, row in zip(sampled_req_ids, drafts_out.counts, drafts_out.token_ids.tolist()):
-            assert all(t >= 0 for t in row[:count]) and all(t == -1 for t in row[count:])
+            assert all(t >= 0 for t in row[:count])
             recorded.append((list(target.requests[rid].token_ids), row[:count]))
         return drafts_out
 
@@ -197,10 +198,14 @@ def test_stop_strings_end_requests_as_without_speculation(spec_model_dir, prompt
                                                             draft_model(drafts["first_layer"], 3))
 
 
-def test_draft_steps_replay_graphs(request, monkeypatch, spec_model_dir, prompts, plain_greedy):
-    """With (CPU-emulated) CUDA graphs, the draft's one-token proposal steps replay its own decode
-    graphs, and outputs and full acceptance stay those of eager steps."""
+@pytest.mark.parametrize("chains", [True, False])
+def test_draft_steps_replay_graphs(request, monkeypatch, spec_model_dir, prompts, plain_greedy, chains):
+    """With (CPU-emulated) CUDA graphs, the draft's proposals replay one chain graph each (or, with
+    no chain graph captured, its decode graphs, one per forward), and outputs and full acceptance
+    stay those of eager steps."""
     request.getfixturevalue("emulated_graphs")
+    if not chains:
+        monkeypatch.setattr(draft_proposer, "MAX_CHAIN_GRAPH_SEQS", 0)
     replayed_by: list[tuple[StepGraphs, GraphKey]] = []
     replay = StepGraphs.replay
 
@@ -217,7 +222,7 @@ def test_draft_steps_replay_graphs(request, monkeypatch, spec_model_dir, prompts
     assert_acceptance(llm.llm_engine.get_stats(), "itself")
     draft_graphs = llm.llm_engine.engine_core.executor.driver_worker.draft_runner.graphs
     draft_kinds = {key.kind for graphs, key in replayed_by if graphs is draft_graphs}
-    assert draft_kinds == {"decode", "mixed"}  # proposals, and catch-ups of several tokens
+    assert draft_kinds == {"chain" if chains else "decode", "mixed"}  # proposals, and catch-ups of several tokens
 
 
 def test_disable_by_batch_size(spec_model_dir, prompts, plain_greedy):

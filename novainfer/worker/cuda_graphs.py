@@ -12,6 +12,9 @@ kernels. Replaying a captured graph removes that cost. Two kinds of graph cover 
   ``query_start_loc`` on the device, so padding sequences (no query tokens, empty context) and
   padding tokens (owned by no sequence, no KV slot) cost only programs that return at once. The
   logits are computed for ``max_seqs`` rows, the most a step samples.
+* ``chain`` graphs (a draft model's), one per padded batch size ``B``: several one-token forwards
+  of ``B`` sequences in a row, each fed the argmax of the one before, with the LM head inside, so
+  that a draft proposes its tokens with one launch.
 
 Graphs share one memory pool and are captured from the largest step down, so the smaller ones
 reuse the larger ones' activation memory.
@@ -41,13 +44,13 @@ _SMALL_SIZES = (1, 2, 4, 8)
 _SIZE_STEP = 16
 _LARGE_FROM, _LARGE_STEP = 256, 64
 
-GraphKind = Literal["decode", "mixed"]
+GraphKind = Literal["decode", "mixed", "chain"]
 
 
 @dataclass(frozen=True, order=True)
 class GraphKey:
     kind: GraphKind
-    size: int  # sequences of a decode graph, tokens of a mixed graph
+    size: int  # sequences of a decode or chain graph, tokens of a mixed graph
 
 
 def cudagraph_capture_sizes(max_size: int) -> list[int]:
@@ -65,7 +68,7 @@ class StepGraphs:
     """Captured step graphs and the static head output each one writes."""
 
     def __init__(self) -> None:
-        self._sizes: dict[GraphKind, list[int]] = {"decode": [], "mixed": []}
+        self._sizes: dict[GraphKind, list[int]] = {"decode": [], "mixed": [], "chain": []}
         # A captured graph and the output it writes, or (None, the step) when emulated.
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | Callable]] = {}
 
@@ -120,9 +123,9 @@ class StepGraphs:
             self._graphs[key] = (graph, output)
         torch.cuda.synchronize(device)
         self._index_sizes()
-        logger.info("captured %d CUDA graphs on %s in %.1f s: decode batch sizes %s, mixed token counts %s",
+        logger.info("captured %d CUDA graphs on %s in %.1f s: decode batch sizes %s, mixed token counts %s%s",
                     len(self._graphs), device, time.perf_counter() - started, self._sizes["decode"],
-                    self._sizes["mixed"])
+                    self._sizes["mixed"], f", chain batch sizes {self._sizes['chain']}" if self._sizes["chain"] else "")
 
     def _index_sizes(self) -> None:
         for kind in self._sizes:
@@ -138,4 +141,4 @@ class StepGraphs:
 
     def clear(self) -> None:
         self._graphs.clear()
-        self._sizes = {"decode": [], "mixed": []}
+        self._sizes = {"decode": [], "mixed": [], "chain": []}

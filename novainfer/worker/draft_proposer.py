@@ -15,8 +15,9 @@ After every step the draft runs in two parts:
    newly accepted tokens up to and including its newest one, whose logits give the first draft.
    Rejected drafts' positions are written over here.
 2. Proposal: ``num_speculative_tokens - 1`` one-token forwards, each feeding the previous argmax
-   (taken on the device), over the requests that sampled. Drafts are greedy: the proposal
-   distribution q is one-hot, as for n-gram drafts.
+   (taken on the device), over the requests that sampled: one chain, which replays a single CUDA
+   graph for the whole proposal where one fits. Drafts are greedy: the proposal distribution q is
+   one-hot, as for n-gram drafts.
 
 The drafts' positions are not counted as computed by the draft: the next catch-up recomputes those
 that the target accepted (a few tokens per request, in the one forward that also feeds the newest
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
     from novainfer.worker.model_runner import CachedRequestState, ModelRunner
 
 
+# The largest batch a chain graph is captured for; larger proposals replay decode graphs per forward.
+MAX_CHAIN_GRAPH_SEQS = 64
+
+
 class DraftModelProposer:
     def __init__(self, draft_runner: ModelRunner, num_speculative_tokens: int,
                  disable_by_batch_size: int | None = None) -> None:
@@ -48,6 +53,15 @@ class DraftModelProposer:
         self.runner = draft_runner
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
+
+    def chain_graphs(self, max_num_seqs: int) -> dict[str, int]:
+        """What the draft runner captures for the proposals (``ModelRunner.capture_model``'s chain
+        arguments): chains of k - 1 forwards, for as many requests as may get drafts (at most
+        MAX_CHAIN_GRAPH_SEQS: each graph keeps its batch's logits)."""
+        limit = min(max_num_seqs, MAX_CHAIN_GRAPH_SEQS)
+        if self.disable_by_batch_size is not None:
+            limit = min(limit, self.disable_by_batch_size)
+        return {"chain_length": self.k - 1, "max_chain_seqs": limit}
 
     def propose(self, target: ModelRunner, so: SchedulerOutput, sampled_req_ids: Sequence[str]) -> DeviceDrafts:
         """Runs the draft after a step of ``target`` whose sampled tokens are on the host; returns the
@@ -73,11 +87,13 @@ class DraftModelProposer:
         if self.disable_by_batch_size is not None and len(target.requests) > self.disable_by_batch_size:
             num_drafts[:] = 0
         first = self._catch_up(target, states, begins, ends, num_drafts > 0)
-        drafts = self._propose(target, states, ends, num_drafts, first)
+        proposing = np.flatnonzero(num_drafts > 0)
+        drafts = self._propose(target, [states[i] for i in proposing], ends[proposing], num_drafts[proposing], first)
         # Rows in the order of sampled_req_ids; a request without drafts reads the last row (none).
-        row_of = {s.req_id: row for row, s in enumerate(states)}
-        rows = np.fromiter((row_of.get(rid, len(states)) for rid in sampled_req_ids), np.int64, len(sampled_req_ids))
-        counts = np.append(num_drafts, 0)[rows]
+        row_of = {states[i].req_id: row for row, i in enumerate(proposing.tolist())}
+        rows = np.fromiter((row_of.get(rid, len(proposing)) for rid in sampled_req_ids), np.int64,
+                           len(sampled_req_ids))
+        counts = np.append(num_drafts[proposing], 0)[rows]
         (rows_d,) = copy_to_device([rows], drafts.device)
         return DeviceDrafts(list(sampled_req_ids), counts.tolist(), drafts[rows_d])
 
@@ -101,29 +117,21 @@ class DraftModelProposer:
 
     def _propose(self, target: ModelRunner, states: list[CachedRequestState], ends: np.ndarray,
                  num_drafts: np.ndarray, first: torch.Tensor) -> torch.Tensor:
-        """The one-token forwards after the catch-up; returns the drafts [len(states) + 1, k] on the
-        device, row i those of ``states[i]`` (then -1), and a last row of none. Each forward reads
-        the tokens of the one before on the device."""
-        proposing = np.flatnonzero(num_drafts > 0)
-        outputs, owners = [first], [proposing]  # each forward's tokens, and the states they belong to
-        for j in range(1, self.k):
-            still = num_drafts[owners[-1]] > j
-            if not still.any():
-                break
-            seqs = owners[-1][still]
-            positions = ends[seqs] - 1 + j
-            rows = np.fromiter((states[i].row for i in seqs), np.int64, len(seqs))
-            num = len(seqs)
-            block_tables = self._block_tables(target, rows, positions + 1)
-            outputs.append(self.runner.greedy_step(np.zeros(num, np.int64), np.ones(num, np.int64), positions,
-                                                   block_tables, np.arange(num), token_sources=np.flatnonzero(still),
-                                                   previous_tokens=outputs[-1]))
-            owners.append(seqs)
-        drafts = torch.full(((len(states) + 1) * self.k,), -1, dtype=torch.int64, device=first.device)
-        # Forward j wrote draft j of its owners: entry owner * k + j.
-        (slots,) = copy_to_device([np.concatenate([seqs * self.k + j for j, seqs in enumerate(owners)])], first.device)
-        drafts[slots] = torch.cat(outputs)
-        return drafts.view(len(states) + 1, self.k)
+        """The drafts of the proposing requests ``states``: their first ones (``first``, from the
+        catch-up), then one chain of one-token forwards (see ``ModelRunner.greedy_chain``). Returns
+        [len(states) + 1, k] on the device, row i those of ``states[i]`` and a last row of none
+        (-1); entries past a request's ``num_drafts`` are meaningless."""
+        none = torch.full((1, self.k), -1, dtype=torch.int64, device=first.device)
+        if not states:
+            return none
+        parts = [first.unsqueeze(1)]
+        if self.k > 1:
+            # Forward j feeds draft j at position end - 1 + j (its KV slot) and gives draft j + 1.
+            num_forwards = num_drafts - 1
+            rows = np.fromiter((s.row for s in states), np.int64, len(states))
+            parts.append(self.runner.greedy_chain(first, np.arange(len(states)), ends, num_forwards, self.k - 1,
+                                                  self._block_tables(target, rows, ends + num_forwards)))
+        return torch.cat([torch.cat(parts, dim=1), none])
 
     @staticmethod
     def _block_tables(target: ModelRunner, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:

@@ -213,8 +213,8 @@ class ModelRunnerOutput:
 @dataclass
 class DeviceDrafts:
     """A draft model's proposals, left on the device: row i of ``token_ids`` [R, k] int64 holds the
-    ``counts[i]`` drafts of ``req_ids[i]`` (then -1). The step that verifies them reads them there,
-    so the host never waits for them."""
+    ``counts[i]`` drafts of ``req_ids[i]`` first (the entries after them mean nothing). The step that
+    verifies them reads them there, so the host never waits for them."""
 
     req_ids: list[str]
     counts: list[int]
@@ -251,6 +251,8 @@ class ModelRunner:
         self.graphs = StepGraphs()
         # Sequence slots (and logits rows) of every mixed-step graph.
         self.mixed_graph_seqs = 0
+        # Forwards of each chain graph (a draft model's proposals, see greedy_chain); 0: none captured.
+        self.chain_length = 0
         # The captured steps' metadata: its backend data (e.g. split-K workspaces) must live as
         # long as the graphs that use it.
         self._graph_metadata: dict[GraphKey, AttentionMetadata] = {}
@@ -309,10 +311,12 @@ class ModelRunner:
             self.buffers = StepInputBuffers(capacity, self.device)
 
     @torch.inference_mode()
-    def capture_model(self, max_num_seqs: int, max_num_tokens: int) -> None:
+    def capture_model(self, max_num_seqs: int, max_num_tokens: int, chain_length: int = 0,
+                      max_chain_seqs: int = 0) -> None:
         """Captures the step graphs (after the KV cache and the step buffers exist): decode steps of
         up to ``max_num_seqs`` sequences and mixed steps of up to ``max_num_tokens`` tokens, both
-        bounded by ``max_cudagraph_capture_size``."""
+        bounded by ``max_cudagraph_capture_size``; with ``chain_length``, chains of that many
+        forwards (see :meth:`greedy_chain`) of up to ``max_chain_seqs`` sequences."""
         if not self.cuda_graphs_enabled:
             return
         limit = self.model_config.max_cudagraph_capture_size
@@ -320,6 +324,10 @@ class ModelRunner:
         mixed_sizes = [t for t in cudagraph_capture_sizes(min(max_num_tokens, limit)) if t > 1]
         self.reserve_step_buffers(max_num_seqs, max_num_tokens)
         self.mixed_graph_seqs = min(max_num_seqs, limit)
+        # A chain's argmax under a split LM head would put its collectives in the graph: not there.
+        self.chain_length = chain_length if self._split_lm_head is None else 0
+        chain_sizes = [s for s in decode_sizes if s <= max_chain_seqs
+                       and s * self.chain_length <= self.buffers.capacity.max_tokens] if self.chain_length else []
         # Captured on inputs that are padding for both kinds: no KV slot, empty sequences.
         self.buffers.wait_until_writable()
         for name, array in self.buffers.host.items():
@@ -328,7 +336,9 @@ class ModelRunner:
         views = self.buffers.device_views
 
         def run_step(key: GraphKey) -> torch.Tensor:
-            metadata = self._graph_metadata[key] = self._graph_step_metadata(key)
+            metadata = self._graph_metadata[key] = self._static_metadata(key, views)
+            if key.kind == "chain":
+                return self._run_chain(key.size, self.chain_length, views, metadata)
             self.attn_backend.prepare(metadata)
             hidden = self.model(views["input_ids"][:key.size], views["positions"][:key.size], metadata)
             if key.kind == "mixed":
@@ -336,6 +346,7 @@ class ModelRunner:
             return hidden
 
         keys = [GraphKey("decode", size) for size in decode_sizes] + [GraphKey("mixed", t) for t in mixed_sizes]
+        keys += [GraphKey("chain", size) for size in chain_sizes]
         self.graphs.capture(keys, run_step, self.device)
 
     # ---- staging a step ----------------------------------------------------------------------
@@ -387,14 +398,15 @@ class ModelRunner:
         host["seq_lens"][num_seqs:seqs] = 0
         host["logits_indices"][num_logits:seqs] = 0
 
-    def _graph_step_metadata(self, key: GraphKey) -> AttentionMetadata:
-        """Metadata of a captured step: views of the static buffers, lengths read on the device, and
-        no host copies of them (the backend plans for any step of this shape)."""
-        views = self.buffers.device_views
-        num_seqs = key.size if key.kind == "decode" else self.mixed_graph_seqs
+    def _static_metadata(self, key: GraphKey, views: dict[str, torch.Tensor]) -> AttentionMetadata:
+        """Metadata of a step shaped as the graph ``key`` (a captured step, or a chain's forwards): views
+        of the buffers, lengths read on the device, and no host copies of them (the backend plans for
+        any step of this shape). A chain's forwards are decode steps."""
+        mixed = key.kind == "mixed"
+        num_seqs = self.mixed_graph_seqs if mixed else key.size
         return AttentionMetadata(
             num_tokens=key.size, num_seqs=num_seqs, block_size=self.block_size,
-            max_query_len=1 if key.kind == "decode" else key.size, max_seq_len=self.model_config.max_model_len,
+            max_query_len=key.size if mixed else 1, max_seq_len=self.model_config.max_model_len,
             query_start_loc=views["query_start_loc"][:num_seqs + 1], seq_lens=views["seq_lens"][:num_seqs],
             block_tables=views["block_tables"][:num_seqs], slot_mapping=views["slot_mapping"][:key.size],
             query_lens_cpu=None, seq_lens_cpu=None, backend=self.attn_backend)
@@ -460,15 +472,8 @@ class ModelRunner:
                 raise RuntimeError(f"the driver rank runs the CUDA graph {staged.graph_key}, which {self.device} "
                                    f"did not capture (it has decode sizes {self.graphs.sizes('decode')} and "
                                    f"mixed sizes {self.graphs.sizes('mixed')})")
-        buffers.copy_to_device(staged.num_bytes, staged.buffers)
-        views = buffers.device_views
+        views = self._copy_inputs(staged, buffers)
         num_tokens, num_seqs = staged.num_tokens, staged.num_seqs
-        if staged.previous_tokens is not None:
-            # Tokens sampled by the step before, which the host has not seen: taken on the device.
-            sources = views["token_sources"][:num_tokens]
-            previous = staged.previous_tokens_on(self.device)
-            input_ids = views["input_ids"][:num_tokens]
-            input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
         metadata = None
         if staged.graph_key is None:
             metadata = AttentionMetadata(
@@ -481,6 +486,19 @@ class ModelRunner:
         return ModelInput(views["input_ids"][:num_tokens], views["positions"][:num_tokens], metadata,
                           views["logits_indices"][:staged.num_logits], num_seqs, staged.graph_key,
                           staged.logits_are_all_rows)
+
+    def _copy_inputs(self, staged: StagedStep, buffers: StepInputBuffers) -> dict[str, torch.Tensor]:
+        """Queues the copy of ``staged`` into ``buffers``' device side, then takes the tokens it
+        names in ``previous_tokens`` there; returns the device views."""
+        buffers.copy_to_device(staged.num_bytes, staged.buffers)
+        views = buffers.device_views
+        if staged.previous_tokens is not None:
+            # Tokens sampled by the step before, which the host has not seen: taken on the device.
+            sources = views["token_sources"][:staged.num_tokens]
+            previous = staged.previous_tokens_on(self.device)
+            input_ids = views["input_ids"][:staged.num_tokens]
+            input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
+        return views
 
     def prepare_inputs(self, seqs: Sequence[SequenceInput]) -> ModelInput:
         """Stages an explicit list of sequences (the low-level API); always an eager step."""
@@ -560,14 +578,92 @@ class ModelRunner:
 
     @torch.inference_mode()
     def greedy_step(self, input_ids: np.ndarray, query_lens: np.ndarray, start_pos: np.ndarray,
-                    block_tables: np.ndarray, logits_indices: np.ndarray, token_sources: np.ndarray | None = None,
-                    previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                    block_tables: np.ndarray, logits_indices: np.ndarray) -> torch.Tensor:
         """Runs a step given as flat arrays (see :meth:`_stage`) and returns the argmax token of each
         row of ``logits_indices``, on the device, without waiting for it (a draft model's steps).
         Steps that fit a captured graph replay it."""
-        staged = self._stage(input_ids, query_lens, start_pos, block_tables, logits_indices, greedy=True,
-                             token_sources=token_sources, previous_tokens=previous_tokens)
+        staged = self._stage(input_ids, query_lens, start_pos, block_tables, logits_indices, greedy=True)
         return self._greedy_tokens(self._compute_logits(self._load(staged)))
+
+    @torch.inference_mode()
+    def greedy_chain(self, first_tokens: torch.Tensor, token_sources: np.ndarray, positions: np.ndarray,
+                     num_forwards: np.ndarray, length: int, block_tables: np.ndarray) -> torch.Tensor:
+        """``length`` one-token greedy forwards in a row over the same sequences, each fed the argmax
+        of the one before (a draft model's proposals), with no host work between them.
+
+        Row b first feeds ``first_tokens[token_sources[b]]`` (on the device) at ``positions[b]``,
+        then each forward's token at the next position, writing K/V for ``num_forwards[b]`` forwards;
+        after those it reads its last written position again without writing (its tokens are then
+        meaningless). ``block_tables`` covers ``positions + num_forwards``. Returns the tokens
+        [rows, length] on the device, without waiting: one replay of a chain graph where one fits;
+        else decode-graph replays or eager forwards, each advanced to its position on the device.
+        """
+        staged = self._stage_chain(first_tokens, token_sources, positions, num_forwards, length, block_tables)
+        buffers, size, rows = staged.buffers, staged.num_seqs, len(positions)
+        views = self._copy_inputs(staged, buffers)
+        key = staged.graph_key
+        if key is not None and key.kind == "chain":
+            return self.graphs.replay(key)[:rows]
+        metadata = None if key is not None else self._static_metadata(GraphKey("decode", size), views)
+        return self._run_chain(size, length, views, metadata)[:rows]
+
+    def _stage_chain(self, first_tokens: torch.Tensor, token_sources: np.ndarray, positions: np.ndarray,
+                     num_forwards: np.ndarray, length: int, block_tables: np.ndarray) -> StagedStep:
+        """Stages a chain (see :meth:`greedy_chain`) as its first forward, a decode step of
+        ``size`` rows (padded to a graph), followed in the token regions by every later forward's
+        positions and KV slots: forward j's at ``j * size``."""
+        rows = len(positions)
+        key = self.graphs.padded_key("chain", rows) if length == self.chain_length else None
+        key = key or self.graphs.padded_key("decode", rows)
+        size = key.size if key is not None else rows
+        buffers = self._staging_buffers(BufferCapacity(size * length, size, block_tables.shape[1]))
+        if buffers is not self.buffers:
+            key = None
+        buffers.wait_until_writable()
+        host, bs, steps = buffers.host, self.block_size, np.arange(length)
+        # A row past its forwards stays at its last written position (reading valid context).
+        pos = positions[:, None] - 1 + np.minimum(steps[None, :] + 1, num_forwards[:, None])
+        slots = block_tables[np.arange(rows)[:, None], pos // bs] * bs + pos % bs
+        slots[steps[None, :] >= num_forwards[:, None]] = -1
+        for name, values, pad in (("positions", pos, 0), ("slot_mapping", slots, -1)):
+            grid = host[name][:size * length].reshape(length, size)
+            grid[:, :rows] = values.T
+            grid[:, rows:] = pad
+        host["input_ids"][:size] = 0
+        host["token_sources"][:rows] = token_sources
+        host["token_sources"][rows:size] = -1
+        host["query_start_loc"][:size + 1] = np.arange(size + 1)
+        host["seq_lens"][:rows] = pos[:, 0] + 1
+        host["seq_lens"][rows:size] = 0
+        host["block_tables"][:rows, :block_tables.shape[1]] = block_tables
+        return StagedStep(buffers, buffers.block_table_rows_end(rows), size, size, 0, np.ones(rows, np.int64),
+                          pos[:, 0] + 1, key, False, True, first_tokens)
+
+    def _run_chain(self, size: int, length: int, views: dict[str, torch.Tensor],
+                   metadata: AttentionMetadata | None) -> torch.Tensor:
+        """The forwards of a chain staged in ``views`` (see :meth:`_stage_chain`): eager decode steps
+        of ``size`` rows with ``metadata``, or replays of the decode graph of ``size`` rows (None).
+        Before each forward after the first, its inputs are moved into place on the device: the
+        tokens of the forward before, its positions and KV slots, and the context lengths they give.
+        Returns the tokens [size, length]."""
+        input_ids, positions = views["input_ids"][:size], views["positions"][:size]
+        slots, seq_lens = views["slot_mapping"], views["seq_lens"][:size]
+        tokens: list[torch.Tensor] = []
+        for j in range(length):
+            if j:
+                input_ids.copy_(tokens[-1])
+                positions.copy_(views["positions"][j * size:(j + 1) * size])
+                slots[:size].copy_(slots[j * size:(j + 1) * size])
+                seq_lens.copy_(torch.where(seq_lens > 0, positions + 1, 0))  # padding rows stay empty
+            if metadata is None:
+                hidden = self.graphs.replay(GraphKey("decode", size))
+            else:
+                # Planned again each time: a backend may plan from the lengths' values (the CPU one
+                # does; a captured plan depends on shapes only and is only re-made).
+                self.attn_backend.prepare(metadata)
+                hidden = self.model(input_ids, positions, metadata)
+            tokens.append(self._greedy_tokens(self._head_output(hidden[:size])))
+        return torch.stack(tokens, dim=1)
 
     # ---- engine steps ------------------------------------------------------------------------
     def _take_row(self) -> int:

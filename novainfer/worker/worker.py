@@ -130,6 +130,11 @@ class Worker:
         graph_tokens = min(num_tokens, self.config.model_config.max_cudagraph_capture_size)
         graph_pool = sum(self._peak_forward_bytes(graph_tokens, runner) - torch.cuda.memory_allocated(self.device)
                          for runner in self._runners() if runner.cuda_graphs_enabled)
+        if self.drafter is not None and self.draft_runner.cuda_graphs_enabled:
+            # A draft's chain graphs end in the LM head: the largest one's logits stay in its pool.
+            draft = self.config.draft_model_config
+            chain_seqs = self.drafter.chain_graphs(sched.max_num_seqs)["max_chain_seqs"]
+            graph_pool += chain_seqs * draft.vocab_size * draft.torch_dtype.itemsize
         return peak + graph_pool
 
     def _prompt_step(self, num_tokens: int) -> tuple[list[SequenceInput], int]:
@@ -192,7 +197,8 @@ class Worker:
         for runner in self._runners():
             runner.allocate_kv_cache(num_blocks)
             runner.reserve_step_buffers(sched.max_num_seqs, sched.max_num_batched_tokens)
-            runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens)
+            chains = self.drafter.chain_graphs(sched.max_num_seqs) if runner is self.draft_runner else {}
+            runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens, **chains)
         self._warm_up()
 
     def _warm_up(self) -> None:
