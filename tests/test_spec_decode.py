@@ -24,6 +24,8 @@ from novainfer.core.sched.request import Request
 from novainfer.core.sched.scheduler import Scheduler, SchedulerConfig
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.outputs import StepLogprobs
+from novainfer.worker import model_runner
+from novainfer.worker.model_runner import ModelRunner
 from tests.test_spec_decode_parts import reference_ngram
 from tests.test_step_graphs import emulated_graphs  # noqa: F401 (a fixture)
 from tests.utils import SMALL_KV, hf_greedy, hf_logits, random_ids, tiny_model
@@ -365,16 +367,30 @@ def test_greedy_with_penalties_equals_the_run_without_speculation(spec_model_dir
     assert_both_paths_ran(stats)
 
 
-def test_speculative_steps_replay_mixed_graphs(request, spec_model_dir, prompts, plain_greedy):
-    """With (CPU-emulated) CUDA graphs, steps with drafts replay mixed-step graphs where their tokens
-    and logits rows fit one, and the tokens stay those of plain greedy decoding."""
+@pytest.mark.parametrize("max_extra_keys", [8192, 0])
+def test_speculative_steps_replay_graphs(request, monkeypatch, spec_model_dir, prompts, plain_greedy,
+                                         max_extra_keys):
+    """With (CPU-emulated) CUDA graphs, steps with drafts replay a decode graph with a row per token
+    (or, where the rows would re-read too much context, a mixed-step graph), and the tokens stay
+    those of plain greedy decoding."""
     replayed = request.getfixturevalue("emulated_graphs")
+    monkeypatch.setattr(model_runner, "DECODE_ROWS_MAX_EXTRA_KEYS", max_extra_keys)
+    staged_kinds = []  # (several query tokens after context: a verification, the graph the step ran as)
+    stage = ModelRunner._stage
+
+    def recording(self, input_ids, query_lens, start_pos, *args, **kwargs):
+        staged = stage(self, input_ids, query_lens, start_pos, *args, **kwargs)
+        verifies = int(query_lens.max()) > 1 and bool((start_pos > 0).all())
+        staged_kinds.append((verifies, staged.graph_key and staged.graph_key.kind))
+        return staged
+
+    monkeypatch.setattr(ModelRunner, "_stage", recording)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
     completions, stats = generate(spec_model_dir, prompts, params, ngram(2), device="cpu", max_num_seqs=16,
                                   max_cudagraph_capture_size=64, kv_cache_memory_bytes=SMALL_KV)
     assert [c.token_ids for c in completions] == plain_greedy()
     assert_both_paths_ran(stats)
-    assert any(key.kind == "mixed" for key in replayed)
+    assert (True, "decode" if max_extra_keys else "mixed") in staged_kinds and replayed
 
 
 def test_disable_by_batch_size(spec_model_dir, prompts, plain_greedy):

@@ -75,6 +75,28 @@ def test_padding_never_changes_the_rows_of_a_mixed_step(emulated_graphs):
     torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=LOGITS_ATOL)
 
 
+def test_a_few_queries_per_sequence_run_as_decode_rows_with_the_eager_steps_logits(emulated_graphs):
+    """A step of several query tokens per sequence over cached context (a verification of drafts)
+    replays a decode graph with one row per token, and its logits are the eager step's."""
+    runner = make_runner(tiny_model(), block_size=4, num_blocks=256)
+    runner.capture_model(max_num_seqs=8, max_num_tokens=64)
+    vocab = runner.model_config.vocab_size
+    prompts = random_prompts(vocab, [9, 14, 6], seed=5)
+    tables = block_tables_for([len(p) + 4 for p in prompts], runner.block_size)
+    runner.forward([SequenceInput(p, 0, t, "none") for p, t in zip(prompts, tables)])
+    queries = random_prompts(vocab, [3, 1, 4], seed=6)
+    step = [SequenceInput(q, len(p), t, "all") for q, p, t in zip(queries, prompts, tables)]
+    emulated_graphs.clear()
+    with torch.inference_mode():
+        staged = runner._stage(*runner._flatten(step))
+        assert staged.graph_key == GraphKey("decode", 8) and staged.num_seqs == staged.num_tokens == 8
+        graph_logits = runner._compute_logits(runner._load(staged)).clone()
+        eager_logits = runner._compute_logits(runner.prepare_inputs(step))
+    assert emulated_graphs == [GraphKey("decode", 8)]
+    assert graph_logits.shape == eager_logits.shape == (8, vocab)
+    torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=LOGITS_ATOL)
+
+
 def test_a_step_larger_than_the_reserved_buffers_runs_eagerly_and_keeps_the_graphs(emulated_graphs):
     runner = make_runner(tiny_model(), block_size=4, num_blocks=512)
     runner.capture_model(max_num_seqs=4, max_num_tokens=16)

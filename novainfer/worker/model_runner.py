@@ -225,6 +225,12 @@ class DeviceDrafts:
         self.rows = {rid: row for row, rid in enumerate(self.req_ids)}
 
 
+# A step whose sequences have several query tokens may run as one decode row per token, where each
+# row reads its sequence's whole context again: at most this many extra key reads (per layer and
+# KV head) over the step, e.g. 4 drafts over 2,048 tokens of context.
+DECODE_ROWS_MAX_EXTRA_KEYS = 8192
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
                  attn_backend: AttentionBackend | None = None) -> None:
@@ -421,6 +427,8 @@ class ModelRunner:
         ``token_sources``: per input token, -1 or the row of ``previous_tokens`` (a device tensor)
         that holds it, for tokens not sampled yet when the step is staged.
         """
+        if allow_graph and self._runs_as_decode_rows(query_lens, start_pos):
+            query_lens, start_pos, block_tables = self._decode_rows(query_lens, start_pos, block_tables)
         num_seqs, num_tokens, num_logits = len(query_lens), len(input_ids), len(logits_indices)
         buffers = self._staging_buffers(BufferCapacity(max(num_tokens, num_logits), num_seqs, block_tables.shape[1]))
         buffers.wait_until_writable()
@@ -451,6 +459,27 @@ class ModelRunner:
         # have no context, so the kernels never read their rows, which keep older valid ids.
         return StagedStep(buffers, buffers.block_table_rows_end(num_seqs), num_tokens, num_seqs, num_logits, query_lens,
                           seq_lens, graph_key, all_rows, greedy, previous_tokens if token_sources is not None else None)
+
+    def _runs_as_decode_rows(self, query_lens: np.ndarray, start_pos: np.ndarray) -> bool:
+        """Whether a step with a few query tokens per sequence (a verification of drafts, a short
+        prompt) runs as a decode step of one row per token (see :meth:`_decode_rows`): where a
+        decode graph holds its tokens and the rows re-read little context."""
+        if not self.graphs or query_lens.max() <= 1 or self.graphs.padded_key("decode", int(query_lens.sum())) is None:
+            return False
+        return int(((query_lens - 1) * (start_pos + query_lens)).sum()) <= DECODE_ROWS_MAX_EXTRA_KEYS
+
+    @staticmethod
+    def _decode_rows(query_lens: np.ndarray, start_pos: np.ndarray,
+                     block_tables: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A step as one sequence per token: token t of a sequence becomes a row that attends to the
+        sequence's first ``start + t + 1`` positions through the same block table. The KV of every
+        token is stored before any row attends, so this is the causal attention of the step, run
+        by the decode kernel (a mixed step's prefill kernel costs more for a few queries each).
+        Returns the rows' query lengths, start positions and block tables."""
+        seq_index = np.repeat(np.arange(len(query_lens)), query_lens)
+        starts = np.cumsum(query_lens) - query_lens
+        positions = np.arange(len(seq_index)) - starts[seq_index] + start_pos[seq_index]
+        return np.ones(len(seq_index), np.int64), positions, block_tables[seq_index]
 
     def _graph_for(self, num_tokens: int, num_seqs: int, num_logits: int, max_query_len: int) -> GraphKey | None:
         """The captured graph a step runs as, or None to run it eagerly."""
