@@ -48,7 +48,8 @@ def _graph_and_eager_logits(runner, step, expected_key):
         assert graph_input.graph_key == expected_key
         graph_logits = runner._compute_logits(graph_input).float().clone()
         eager_logits = runner._compute_logits(runner.prepare_inputs(step)).float()
-    assert graph_logits.shape == eager_logits.shape == (len(step), runner.model_config.vocab_size)
+    rows = sum(len(s.token_ids) if s.logits == "all" else s.logits == "last" for s in step)
+    assert graph_logits.shape == eager_logits.shape == (rows, runner.model_config.vocab_size)
     torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=1e-4)
 
 
@@ -73,11 +74,13 @@ def test_graph_replay_matches_eager_decode_step(graph_runner, num_seqs):
 
 
 @pytest.mark.parametrize("num_decodes, chunk", [(0, 5), (3, 40), (37, 200), (60, 2)])
-def test_graph_replay_matches_eager_mixed_step(graph_runner, num_decodes, chunk):
+def test_graph_replay_matches_eager_mixed_step(monkeypatch, graph_runner, num_decodes, chunk):
     """Decodes with long contexts (split over the decode kernel's programs), a prompt chunk on a
-    cached prefix and a new prompt, padded to a mixed graph."""
+    cached prefix and a new prompt, padded to a mixed graph (never run as decode rows here)."""
+    from novainfer.worker import model_runner
     from novainfer.worker.model_runner import SequenceInput
 
+    monkeypatch.setattr(model_runner, "DECODE_ROWS_MAX_EXTRA_KEYS", 0)
     runner = graph_runner
     prompts = _prompts(runner.model_config.vocab_size, num_decodes + 2, seed=chunk)
     tables = block_tables_for([len(p) + chunk + 1 for p in prompts], runner.block_size)
@@ -87,6 +90,21 @@ def test_graph_replay_matches_eager_mixed_step(graph_runner, num_decodes, chunk)
     step.append(SequenceInput(prompts[-1][:chunk], 0, tables[-1]))
     num_tokens = num_decodes + 2 * chunk
     _graph_and_eager_logits(runner, step, runner.graphs.padded_key("mixed", num_tokens))
+
+
+@pytest.mark.parametrize("num_seqs, max_queries", [(1, 5), (6, 3), (12, 3)])
+def test_graph_replay_matches_eager_step_as_decode_rows(graph_runner, num_seqs, max_queries):
+    """Sequences with a few query tokens each after their context (as a verification of drafts):
+    one decode row per token, padded to a decode graph, gives the eager (prefill kernel) logits."""
+    from novainfer.worker.model_runner import SequenceInput
+
+    runner = graph_runner
+    prompts = _prompts(runner.model_config.vocab_size, num_seqs, seed=100 + num_seqs)
+    queries = [[7 + i] * (1 + i % max_queries) for i in range(num_seqs)]
+    tables = block_tables_for([len(p) + len(q) for p, q in zip(prompts, queries)], runner.block_size)
+    runner.forward([SequenceInput(p, 0, t, "none") for p, t in zip(prompts, tables)])
+    step = [SequenceInput(q, len(p), t, "all") for p, q, t in zip(prompts, queries, tables)]
+    _graph_and_eager_logits(runner, step, runner.graphs.padded_key("decode", sum(map(len, queries))))
 
 
 @pytest.fixture(scope="module")
