@@ -42,7 +42,7 @@ def model_dir():
     return tiny_model(**GQA_MODEL)
 
 
-def _graph_and_eager_logits(runner, step, expected_key):
+def _graph_and_eager_logits(runner, step, expected_key, atol: float = 1e-4):
     with torch.inference_mode():
         graph_input = runner._load(runner._stage(*runner._flatten(step)))
         assert graph_input.graph_key == expected_key
@@ -50,7 +50,7 @@ def _graph_and_eager_logits(runner, step, expected_key):
         eager_logits = runner._compute_logits(runner.prepare_inputs(step)).float()
     rows = sum(len(s.token_ids) if s.logits == "all" else s.logits == "last" for s in step)
     assert graph_logits.shape == eager_logits.shape == (rows, runner.model_config.vocab_size)
-    torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=1e-4)
+    torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,8 @@ def test_graph_replay_matches_eager_step_as_decode_rows(graph_runner, num_seqs, 
     tables = block_tables_for([len(p) + len(q) for p, q in zip(prompts, queries)], runner.block_size)
     runner.forward([SequenceInput(p, 0, t, "none") for p, t in zip(prompts, tables)])
     step = [SequenceInput(q, len(p), t, "all") for p, q, t in zip(prompts, queries, tables)]
-    _graph_and_eager_logits(runner, step, runner.graphs.padded_key("decode", sum(map(len, queries))))
+    # Two kernels (decode rows against the prefill kernel) sum the context in different orders.
+    _graph_and_eager_logits(runner, step, runner.graphs.padded_key("decode", sum(map(len, queries))), atol=5e-4)
 
 
 @pytest.fixture(scope="module")
