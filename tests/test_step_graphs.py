@@ -97,6 +97,44 @@ def test_a_few_queries_per_sequence_run_as_decode_rows_with_the_eager_steps_logi
     torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=LOGITS_ATOL)
 
 
+@pytest.mark.parametrize("graphs", ["chain", "decode", "none"])
+def test_a_chain_of_greedy_forwards_equals_one_forward_at_a_time(request, graphs):
+    """``greedy_chain`` (a draft's proposals) gives, for each row, the tokens of one-token greedy
+    forwards run one at a time, for as many forwards as the row writes, and leaves the same KV
+    cache: a row past its forwards (here one with none) writes nothing more. Replayed as one chain
+    graph, as decode-graph replays, or eagerly."""
+    length, num_forwards = 3, np.array([3, 1, 0, 2])
+    reference, runner = (make_runner(tiny_model(), block_size=4, num_blocks=256) for _ in range(2))
+    if graphs != "none":
+        replayed = request.getfixturevalue("emulated_graphs")
+        runner.capture_model(max_num_seqs=8, max_num_tokens=64, chain_length=length,
+                             max_chain_seqs=8 if graphs == "chain" else 0)
+    prompts = random_prompts(runner.model_config.vocab_size, [9, 14, 6, 3], seed=7)
+    tables = block_tables_for([len(p) + length for p in prompts], runner.block_size)
+    expected = []
+    for prompt, table, count in zip(prompts, tables, num_forwards.tolist()):
+        tokens = [int(reference.forward([SequenceInput(prompt, 0, table)]).argmax())]
+        for j in range(count):
+            tokens.append(int(reference.forward([SequenceInput(tokens[-1:], len(prompt) + j, table)]).argmax()))
+        expected.append(tokens)
+    first = runner.forward([SequenceInput(p, 0, t) for p, t in zip(prompts, tables)]).argmax(dim=-1)
+    if graphs != "none":
+        replayed.clear()
+    width = max(map(len, tables))
+    chain = runner.greedy_chain(first, np.arange(4), np.array([len(p) for p in prompts]), num_forwards, length,
+                                np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32))
+    got = torch.cat([first.unsqueeze(1), chain], dim=1).tolist()
+    assert [row[:count + 1] for row, count in zip(got, num_forwards.tolist())] == expected
+    # The K/V of every position the reference wrote, the rows' last written ones included.
+    slots = [t[pos // 4] * 4 + pos % 4 for p, t, n in zip(prompts, tables, num_forwards) for pos in range(len(p) + n)]
+    for ref_layer, layer in zip(reference.model.attention_layers(), runner.model.attention_layers()):
+        for cache in ("k_cache", "v_cache"):
+            torch.testing.assert_close(getattr(layer, cache).flatten(0, 1)[slots],
+                                       getattr(ref_layer, cache).flatten(0, 1)[slots], rtol=0, atol=LOGITS_ATOL)
+    if graphs != "none":
+        assert replayed == ([GraphKey("chain", 4)] if graphs == "chain" else [GraphKey("decode", 4)] * length)
+
+
 def test_a_step_larger_than_the_reserved_buffers_runs_eagerly_and_keeps_the_graphs(emulated_graphs):
     runner = make_runner(tiny_model(), block_size=4, num_blocks=512)
     runner.capture_model(max_num_seqs=4, max_num_tokens=16)
