@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import latency, mixed_step, spec_decode, throughput
+from benchmarks import api_process, latency, mixed_step, spec_decode, throughput
 from benchmarks.architectures import ARCHITECTURES, get_architecture, hf_config
 
 
@@ -157,3 +157,16 @@ def test_spec_decode_benchmark_reports_the_acceptance_of_each_figure(tmp_path):
     assert tput["on"]["output_tokens"] == tput["off"]["output_tokens"] == tput["workload"]["total_output_tokens"]
     assert tput["on"]["draft_tokens"] > 0 and tput["off"]["draft_tokens"] == 0
     assert tput["on"]["engine"]["speculative_config"]["num_speculative_tokens"] == k
+
+
+def test_api_process_benchmark_streams_every_burst_and_reports_per_token_cpu(tmp_path):
+    """Every stream of every burst ends with [DONE] (the benchmark raises otherwise), and the figures
+    follow from the recorded runs: the long bursts' extra CPU over the extra tokens."""
+    results = api_process.main(["--num-prompts", "6", "--output-len", "5", "--repeats", "2",
+                                "--results-dir", str(tmp_path), "--output", "run"])
+    figures = results["figures"]
+    assert [len(runs) for runs in figures["runs_cpu_s"].values()] == [2, 2]
+    short, long = (sum(figures["runs_cpu_s"][k]) / 2 for k in ("1", "5"))  # medians of two
+    assert figures["admission_and_one_token_cpu_s"] == round(short, 4) and figures["burst_cpu_s"] == round(long, 4)
+    assert figures["streaming_us_per_token"] == pytest.approx((long - short) / (6 * 4) * 1e6, abs=0.01)
+    assert json.loads((tmp_path / "run.json").read_text())["figures"] == figures
