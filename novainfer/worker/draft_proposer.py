@@ -98,8 +98,11 @@ class DraftModelProposer:
         return DeviceDrafts(list(sampled_req_ids), counts.tolist(), drafts[rows_d])
 
     def _no_drafts(self, req_ids: Sequence[str]) -> DeviceDrafts:
-        return DeviceDrafts(list(req_ids), [0] * len(req_ids),
-                            torch.full((len(req_ids), self.k), -1, dtype=torch.int64, device=self.runner.device))
+        return DeviceDrafts(list(req_ids), [0] * len(req_ids), self._empty_rows(len(req_ids)))
+
+    def _empty_rows(self, num_rows: int) -> torch.Tensor:
+        """Rows of the drafts table that hold none (-1)."""
+        return torch.full((num_rows, self.k), -1, dtype=torch.int64, device=self.runner.device)
 
     def _catch_up(self, target: ModelRunner, states: list[CachedRequestState], begins: np.ndarray,
                   ends: np.ndarray, proposing: np.ndarray) -> torch.Tensor:
@@ -121,7 +124,7 @@ class DraftModelProposer:
         catch-up), then one chain of one-token forwards (see ``ModelRunner.greedy_chain``). Returns
         [len(states) + 1, k] on the device, row i those of ``states[i]`` and a last row of none
         (-1); entries past a request's ``num_drafts`` are meaningless."""
-        none = torch.full((1, self.k), -1, dtype=torch.int64, device=first.device)
+        none = self._empty_rows(1)
         if not states:
             return none
         parts = [first.unsqueeze(1)]

@@ -427,12 +427,14 @@ class ModelRunner:
         ``token_sources``: per input token, -1 or the row of ``previous_tokens`` (a device tensor)
         that holds it, for tokens not sampled yet when the step is staged.
         """
-        if allow_graph and self._runs_as_decode_rows(query_lens, start_pos):
+        max_query_len = int(query_lens.max())
+        if allow_graph and max_query_len > 1 and self._runs_as_decode_rows(query_lens, start_pos):
             query_lens, start_pos, block_tables = self._decode_rows(query_lens, start_pos, block_tables)
+            max_query_len = 1
         num_seqs, num_tokens, num_logits = len(query_lens), len(input_ids), len(logits_indices)
         buffers = self._staging_buffers(BufferCapacity(max(num_tokens, num_logits), num_seqs, block_tables.shape[1]))
         buffers.wait_until_writable()
-        graph_key = self._graph_for(num_tokens, num_seqs, num_logits, int(query_lens.max())) \
+        graph_key = self._graph_for(num_tokens, num_seqs, num_logits, max_query_len) \
             if allow_graph and buffers is self.buffers else None
         host, bs = buffers.host, self.block_size
         cu_lens = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -461,10 +463,10 @@ class ModelRunner:
                           seq_lens, graph_key, all_rows, greedy, previous_tokens if token_sources is not None else None)
 
     def _runs_as_decode_rows(self, query_lens: np.ndarray, start_pos: np.ndarray) -> bool:
-        """Whether a step with a few query tokens per sequence (a verification of drafts, a short
-        prompt) runs as a decode step of one row per token (see :meth:`_decode_rows`): where a
+        """Whether a step with several query tokens in some sequence, a few per sequence (a
+        verification of drafts, a short prompt), runs as a decode step of one row per token (see :meth:`_decode_rows`): where a
         decode graph holds its tokens and the rows re-read little context."""
-        if not self.graphs or query_lens.max() <= 1 or self.graphs.padded_key("decode", int(query_lens.sum())) is None:
+        if not self.graphs or self.graphs.padded_key("decode", int(query_lens.sum())) is None:
             return False
         return int(((query_lens - 1) * (start_pos + query_lens)).sum()) <= DECODE_ROWS_MAX_EXTRA_KEYS
 
