@@ -227,8 +227,10 @@ class DeviceDrafts:
 
 # A step whose sequences have several query tokens may run as one decode row per token, where each
 # row reads its sequence's whole context again: at most this many extra key reads (per layer and
-# KV head) over the step, e.g. 4 drafts over 2,048 tokens of context.
-DECODE_ROWS_MAX_EXTRA_KEYS = 8192
+# KV head) over the step, e.g. 16 sequences verifying 4 drafts over 1,024 tokens of context. Measured
+# on one H200 (benchmarks/results/spec_decode_cuda_*_budget*.json), decode rows beat the mixed step's
+# prefill kernel at batch 16 for both the 0.5B and the 7B shapes at this budget, not only at 8,192.
+DECODE_ROWS_MAX_EXTRA_KEYS = 65536
 
 
 class ModelRunner:
