@@ -88,14 +88,21 @@ CONFIGS = {
     "preemption": dict(block_size=4, num_gpu_blocks_override=20),
     "no_prefix_caching": dict(block_size=4, enable_prefix_caching=False, kv_cache_memory_bytes=SMALL_KV),
 }
+# n-gram drafts only (the draft model's proposals need each step's tokens): steps without drafts left
+# in flight, the next step's drafts looked up one token early.
+NGRAM_CONFIGS = {
+    **CONFIGS,
+    "async_scheduling": dict(async_scheduling=True, kv_cache_memory_bytes=SMALL_KV),
+    "async_scheduling_preemption": dict(async_scheduling=True, block_size=4, num_gpu_blocks_override=20),
+}
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(NGRAM_CONFIGS))
 def test_greedy_outputs_equal_those_without_speculation(spec_model_dir, prompts, plain_greedy, config, k):
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
     completions, stats = generate(spec_model_dir, prompts, params, ngram(k, prompt_lookup_max=3),
-                                  **CONFIGS[config])
+                                  **NGRAM_CONFIGS[config])
     assert [c.token_ids for c in completions] == plain_greedy()
     assert all(c.finish_reason == "length" for c in completions)
     assert_both_paths_ran(stats)
@@ -191,7 +198,7 @@ def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_dr
     going_on = scheduler.requests["goes-on"]
     block = StepLogprobs(1, [21, 99, 23, 30], [-0.5, -0.25, -1.0, -2.0], [1, 1, 1, 1])
     stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]], block,
-                                                    [0, -1])
+                                                    [0, -1], num_verified_drafts=[4, 4])
     assert stopped.new_token_ids == [21, 99] and stopped.finish_reason == "stop" and stopped.stop_reason == 99
     # Its logprobs are the block's rows from 0, one per token it kept: none of the dropped tokens.
     assert stopped.new_logprobs == (block, 0) and went_on.new_logprobs is None
@@ -226,21 +233,22 @@ def _prompt_with_an_uncertain_repeat(model_dir, vocab_size: int, temperature: fl
     raise AssertionError("no prompt of the kind found")
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "ngram_async_scheduling", "draft_model"])
 def test_seeded_sampling_keeps_the_target_distribution(spec_model_dir, vocab_size, method):
     """Output tokens 2 and 3 of many seeded requests follow the joint distribution transformers
     gives, although a draft (the repeated token; with a draft model, the target's own greedy token)
     is verified for token 2 and accepted only part of the time: rejection sampling must neither
-    favour nor disfavour drafts."""
+    favour nor disfavour drafts. With async scheduling the prefill is left in flight, so token 2's
+    drafts are looked up before token 1 is known."""
     temperature, top_k, n = 0.05, 4, 2000
     prompt = _prompt_with_an_uncertain_repeat(spec_model_dir, vocab_size, temperature, top_k)
     params = [SamplingParams(temperature=temperature, top_k=top_k, seed=seed, max_tokens=3, ignore_eos=True)
               for seed in range(n)]
-    spec = ngram(3) if method == "ngram" else {"method": method, "model": str(spec_model_dir),
-                                               "num_speculative_tokens": 3}
+    spec = ngram(3) if method != "draft_model" else {"method": method, "model": str(spec_model_dir),
+                                                     "num_speculative_tokens": 3}
     spec["disable_by_batch_size"] = None  # thousands of requests run together: draft for them all
     completions, stats = generate(spec_model_dir, [prompt] * n, params, spec, max_num_seqs=512,
-                                  kv_cache_memory_bytes=SMALL_KV)
+                                  kv_cache_memory_bytes=SMALL_KV, async_scheduling=method == "ngram_async_scheduling")
     assert_both_paths_ran(stats)
     first = max({c.token_ids[0] for c in completions}, key=[c.token_ids[0] for c in completions].count)
     pairs = [tuple(c.token_ids[1:]) for c in completions if c.token_ids[0] == first]
@@ -290,24 +298,38 @@ def test_unsupported_combinations_are_refused():
                                        "num_speculative_tokens": 2}).create_engine_config()
 
 
-def test_steps_without_drafts_pipeline_above_the_batch_size_cut_off(monkeypatch, spec_model_dir, prompts,
-                                                                    plain_greedy):
-    """With async scheduling, steps run while more requests run than ``disable_by_batch_size`` are
-    left in flight as without speculation; once fewer run, steps run one at a time with drafts. The
-    requests end at different lengths, so both kinds of step occur, and the tokens are plain greedy."""
+@pytest.mark.parametrize("disable_by_batch_size", [None, 2])
+def test_steps_without_drafts_are_left_in_flight(monkeypatch, spec_model_dir, prompts, plain_greedy,
+                                                 disable_by_batch_size):
+    """With async scheduling, a step without drafts is left in flight as without speculation (every
+    step while more requests run than ``disable_by_batch_size``), and the drafts of the step after
+    it are looked up one token early, past the lookup's guess of the token in flight; a step with
+    drafts runs alone. The requests end at different lengths, so every kind of step occurs, and
+    the tokens are plain greedy."""
     from novainfer.engine.core import EngineCore
+    from novainfer.spec_decode.ngram_proposer import NgramProposer
 
     decisions = []
     can_pipeline = EngineCore._can_pipeline
     monkeypatch.setattr(EngineCore, "_can_pipeline",
                         lambda self, so: decisions.append(can_pipeline(self, so)) or decisions[-1])
+    drafted_ahead = []  # drafts looked up while their request's newest token was in flight
+    propose = NgramProposer.propose
+
+    def recording_propose(self, request_ids, token_lists, num_ahead=None):
+        proposals = propose(self, request_ids, token_lists, num_ahead)
+        drafted_ahead.extend(d for d, ahead in zip(proposals, num_ahead or ()) if ahead and d)
+        return proposals
+
+    monkeypatch.setattr(NgramProposer, "propose", recording_propose)
     lengths = [MAX_TOKENS - 4 * i for i in range(len(prompts))]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in lengths]
-    completions, stats = generate(spec_model_dir, prompts, params, ngram(3, disable_by_batch_size=2),
-                                  async_scheduling=True, max_num_seqs=len(prompts), kv_cache_memory_bytes=SMALL_KV)
+    completions, stats = generate(spec_model_dir, prompts, params,
+                                  ngram(3, disable_by_batch_size=disable_by_batch_size), async_scheduling=True,
+                                  max_num_seqs=len(prompts), kv_cache_memory_bytes=SMALL_KV)
     assert [c.token_ids for c in completions] == [out[:n] for out, n in zip(plain_greedy(), lengths)]
     assert True in decisions and False in decisions
-    assert stats.spec_decode_num_draft_tokens_total > 0
+    assert drafted_ahead and stats.spec_decode_num_accepted_tokens_total > 0
 
 
 def test_greedy_logprobs_equal_those_without_speculation(spec_model_dir, prompts):

@@ -145,22 +145,20 @@ class EngineCore:
 
     def _can_pipeline(self, scheduler_output: SchedulerOutput) -> bool:
         """Whether the step may be left running while the next is scheduled. With speculation only
-        a step without drafts, while more requests run than ``disable_by_batch_size``: nothing is
-        proposed after it then, where drafts need its tokens (and a verified step's accepted count
-        decides the next step's positions)."""
+        a step without drafts: a verification's accepted count decides the next step's positions.
+        The n-gram drafts of the step after a step left running are looked up one token early
+        (see :meth:`_propose_drafts`)."""
         if not self.scheduler.config.async_scheduling or scheduler_output.is_empty:
             return False
-        spec = self.config.speculative_config
-        return spec is None or (spec.disable_by_batch_size is not None
-                                and len(self.scheduler.running) > spec.disable_by_batch_size
-                                and not scheduler_output.scheduled_spec_decode_tokens)
+        return not scheduler_output.scheduled_spec_decode_tokens
 
     def _update_from_runner(self, runner_outputs) -> list[EngineCoreOutput]:
         """Applies the tokens of the steps the executor finished, oldest first."""
         outputs = []
         for runner_output in runner_outputs:
             outputs += self.scheduler.update_from_output(runner_output.req_ids, runner_output.sampled_token_ids,
-                                                         runner_output.logprobs, runner_output.logprobs_rows)
+                                                         runner_output.logprobs, runner_output.logprobs_rows,
+                                                         runner_output.num_verified_drafts)
         return outputs
 
     def _propose_drafts(self, runner_outputs: list[ModelRunnerOutput]) -> None:
@@ -168,29 +166,34 @@ class EngineCore:
         from one batched n-gram lookup over their tokens, or those the draft model proposed in the
         step just run. A request gets at most as many drafts as it may still emit tokens after
         the next one (``max_tokens``, the context limit), so that no accepted token lies past its
-        end."""
+        end.
+
+        A request whose newest token a step left running is still sampling gets the drafts that
+        follow the lookup's guess of that token: if the guess is wrong, the verification rejects
+        them (it checks every draft against the target), so steps without drafts are never held
+        back to wait for their tokens."""
         spec = self.config.speculative_config
         sched = self.scheduler
         for request in sched.running:
             request.spec_token_ids = []
         if spec.disable_by_batch_size is not None and len(sched.running) > spec.disable_by_batch_size:
             return
-        decoding = [r for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
+        decoding = [r for r in sched.running if r.num_computed_tokens == r.num_tokens_with_placeholders - 1]
         if not decoding:
             return
         if spec.method == "ngram":
-            proposals = self._ngram_drafts(decoding)
+            proposals = self._ngram_proposer.propose([r.request_id for r in decoding], [r.all_token_ids for r in decoding],
+                                                     [r.num_output_placeholders for r in decoding])
         else:
             # Their values stay on the device, where the step that verifies them reads them.
             by_id = {rid: count for output in runner_outputs if output.num_draft_tokens is not None
                      for rid, count in zip(output.req_ids, output.num_draft_tokens)}
             proposals = [[DEVICE_DRAFT_TOKEN] * by_id.get(r.request_id, 0) for r in decoding]
         for request, drafts in zip(decoding, proposals):
-            room = min(request.max_tokens - request.num_output_tokens, sched.max_context_len - request.num_tokens) - 1
+            in_flight = request.num_output_placeholders
+            room = min(request.max_tokens - request.num_output_tokens,
+                       sched.max_context_len - request.num_tokens) - in_flight - 1
             request.spec_token_ids = drafts[:max(room, 0)]
-
-    def _ngram_drafts(self, decoding: list[Request]) -> list[list[int]]:
-        return self._ngram_proposer.propose([r.request_id for r in decoding], [r.all_token_ids for r in decoding])
 
     def _collect_in_flight(self) -> list[EngineCoreOutput]:
         """Waits for the steps in flight and applies their tokens."""

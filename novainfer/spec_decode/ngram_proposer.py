@@ -89,8 +89,11 @@ class NgramProposer:
         self._rows: dict[str, _Row] = {}
         self._free: list[int] = []
 
-    def propose(self, request_ids: Sequence[str], token_lists: Sequence[list[int]]) -> list[list[int]]:
-        """Drafts for each request, whose known tokens (prompt, then output) are ``token_lists``."""
+    def propose(self, request_ids: Sequence[str], token_lists: Sequence[list[int]],
+                num_ahead: Sequence[int] | None = None) -> list[list[int]]:
+        """Drafts for each request, whose known tokens (prompt, then output) are ``token_lists``.
+        ``num_ahead``: per request, how many tokens after its known ones are still being sampled;
+        its drafts follow the lookup's continuation past that many tokens (guesses of them)."""
         for stale in self._rows.keys() - set(request_ids):
             self._free.append(self._rows.pop(stale).index)
         lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
@@ -98,8 +101,10 @@ class NgramProposer:
         self._reserve(len(request_ids), width)
         rows = np.fromiter((self._write(rid, tokens) for rid, tokens in zip(request_ids, token_lists)),
                            dtype=np.int64, count=len(request_ids))
-        proposals = propose_ngram(self._table[rows, :width], lengths, self.min_n, self.max_n, self.k)
-        return [row[:num] for row, num in zip(proposals.token_ids.tolist(), proposals.num_tokens.tolist())]
+        ahead = num_ahead or [0] * len(request_ids)
+        proposals = propose_ngram(self._table[rows, :width], lengths, self.min_n, self.max_n, self.k + max(ahead))
+        return [row[skip:skip + self.k] if num else []
+                for row, num, skip in zip(proposals.token_ids.tolist(), proposals.num_tokens.tolist(), ahead)]
 
     def _reserve(self, num_requests: int, length: int) -> None:
         """Grows the table (doubling) to hold ``num_requests`` rows of ``length`` tokens."""

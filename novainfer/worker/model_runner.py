@@ -150,15 +150,21 @@ class SampledStep:
     host_results: torch.Tensor
     has_logprobs: bool
     copied: torch.cuda.Event | None  # recorded after the copy to the host (CUDA only)
-    speculative: bool = False
     num_positions: int = 1  # P
+    num_drafts: list[int] | None = None  # speculative decoding: the drafts each request verified
+
+    @property
+    def speculative(self) -> bool:
+        return self.num_drafts is not None
 
     @classmethod
     def start_copy(cls, states: list[CachedRequestState], tokens: torch.Tensor,
-                   logprobs: LogprobsTensors | None, num_tokens: torch.Tensor | None = None) -> SampledStep:
+                   logprobs: LogprobsTensors | None, num_tokens: torch.Tensor | None = None,
+                   num_drafts: list[int] | None = None) -> SampledStep:
         """Queues the copy of a step's tokens (and logprobs) to the host, without waiting.
-        ``tokens`` is [B], or [B, P] with ``num_tokens`` [B] (speculative decoding: row b holds
-        ``num_tokens[b]`` tokens; ``logprobs`` then has B * P rows, request-major)."""
+        ``tokens`` is [B], or [B, P] with ``num_tokens`` [B] and ``num_drafts`` (speculative
+        decoding: row b verified ``num_drafts[b]`` drafts and holds ``num_tokens[b]`` tokens;
+        ``logprobs`` then has B * P rows, request-major)."""
         batch = tokens.shape[0]
         num_positions = 1 if num_tokens is None else tokens.shape[1]
         parts = [tokens.unsqueeze(1)] if num_tokens is None else [num_tokens.unsqueeze(1), tokens]
@@ -173,7 +179,7 @@ class SampledStep:
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(tokens.device))
         return cls(states, tokens, {s.req_id: row for row, s in enumerate(states)}, host_results,
-                   logprobs is not None, copied, num_tokens is not None, num_positions)
+                   logprobs is not None, copied, num_positions, num_drafts)
 
     def wait(self) -> tuple[list[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """The tokens of each request, and the logprob arrays (token ids, logprobs, ranks) if any,
@@ -204,6 +210,8 @@ class ModelRunnerOutput:
     # per request of ``req_ids`` the row of its first new token (-1: it asked for none).
     logprobs: StepLogprobs | None = None
     logprobs_rows: list[int] | None = None
+    # Per request of ``req_ids``, how many drafts this step verified (None: a step without drafts).
+    num_verified_drafts: list[int] | None = None
     # Per request of ``req_ids``, how many drafts a draft model proposed for its next step
     # (speculative decoding's "draft_model" method; None otherwise). Their values stay on the
     # device (the runner's ``device_drafts``); the next step names them DEVICE_DRAFT_TOKEN.
@@ -809,6 +817,7 @@ class ModelRunner:
                                        f"has sampled")
                 sources.append((len(input_ids), in_flight_rows[rid]))
                 input_ids.append(0)
+                input_ids.extend(drafts)  # n-gram drafts proposed while that token was in flight
             elif num_tokens == 1:
                 input_ids.append(state.token_ids[start])
             else:
@@ -914,7 +923,7 @@ class ModelRunner:
             drafts = torch.where(torch.arange(k, device=proposed.device) < num_drafts_d[:, None], proposed, -1)
         if plain_greedy:
             out = greedy_verify(self._greedy_tokens(head_output)[index], drafts)
-            return SampledStep.start_copy(sampling, out.token_ids, None, out.num_tokens)
+            return SampledStep.start_copy(sampling, out.token_ids, None, out.num_tokens, num_drafts)
         table_rows = np.repeat(np.fromiter((s.row for s in sampling), np.int64, len(sampling)), counts)
         positions = np.repeat(np.asarray(num_outputs, dtype=np.int64) - starts, counts) + np.arange(int(counts.sum()))
         metadata = self.sampling_table.gather(table_rows, positions)
@@ -939,7 +948,7 @@ class ModelRunner:
             # Of each emitted token, at its position, from the raw distribution (as without speculation).
             logprobs = gather_logprobs(full_logits[index.flatten()], out.token_ids.clamp(min=0).flatten(),
                                        metadata.max_num_logprobs)
-        return SampledStep.start_copy(sampling, out.token_ids, logprobs, out.num_tokens)
+        return SampledStep.start_copy(sampling, out.token_ids, logprobs, out.num_tokens, num_drafts)
 
     def _record_emitted(self, metadata: SamplingMetadata, out: RejectionSamplerOutput, counts: np.ndarray) -> None:
         """Adds a verification step's emitted tokens to the penalty state. Row r of the step (request
@@ -960,9 +969,8 @@ class ModelRunner:
             state.token_ids.extend(new_tokens)
             state.output_token_ids.extend(new_tokens)
         req_ids = [s.req_id for s in step.states]
-        if logprobs is None:
-            return ModelRunnerOutput(req_ids, tokens)
-        return ModelRunnerOutput(req_ids, tokens, *ModelRunner._logprobs_block(step, *logprobs))
+        block, rows = ModelRunner._logprobs_block(step, *logprobs) if logprobs is not None else (None, None)
+        return ModelRunnerOutput(req_ids, tokens, block, rows, num_verified_drafts=step.num_drafts)
 
     @staticmethod
     def _logprobs_block(step: SampledStep, ids: np.ndarray, values: np.ndarray,

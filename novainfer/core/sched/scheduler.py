@@ -272,26 +272,29 @@ class Scheduler:
                                        request.num_computed_tokens))
 
     def update_from_output(self, req_ids: Iterable[str], sampled_token_ids: Iterable[list[int]],
-                           logprobs: StepLogprobs | None = None, logprobs_rows: Iterable[int] | None = None
-                           ) -> list[EngineCoreOutput]:
+                           logprobs: StepLogprobs | None = None, logprobs_rows: Iterable[int] | None = None,
+                           num_verified_drafts: Iterable[int] | None = None) -> list[EngineCoreOutput]:
         """Fills in a step's sampled tokens (per request: one, or with speculative decoding its
         accepted drafts and one more), applies the token-level stop conditions token by token and
         frees the requests they end; returns one output per request that got tokens. A stop ends
         a request at its token: the tokens after it are dropped. ``logprobs``: the step's logprob
         rows, and per request the row of its first token (-1: none); an output refers to its rows
-        (as many as it has tokens, so none of the dropped tokens).
+        (as many as it has tokens, so none of the dropped tokens). ``num_verified_drafts``: per
+        request, how many drafts the step verified (None: none), whatever drafts the request holds
+        now for a later step.
 
         Requests finished since the step was scheduled are skipped. A request preempted since
         then keeps its tokens: they are part of what it recomputes when it resumes.
         """
         outputs = []
         now = time.time()
-        for rid, tokens, first_row in zip(req_ids, sampled_token_ids, logprobs_rows or itertools.repeat(-1)):
+        for rid, tokens, first_row, num_drafts in zip(req_ids, sampled_token_ids, logprobs_rows or itertools.repeat(-1),
+                                                      num_verified_drafts or itertools.repeat(0)):
             request = self.requests.get(rid)
             if request is None:
                 continue
-            if request.spec_token_ids:
-                self._take_back_rejected(request, len(tokens) - 1)
+            if num_drafts:
+                self._take_back_rejected(request, num_drafts, len(tokens) - 1)
             output = EngineCoreOutput(rid, [], None if first_row < 0 else (logprobs, first_row))
             for token in tokens:
                 request.append_output_token(token, now)
@@ -308,12 +311,11 @@ class Scheduler:
             outputs.append(output)
         return outputs
 
-    def _take_back_rejected(self, request: Request, num_accepted: int) -> None:
+    def _take_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """After a speculative step: the drafts after the ``num_accepted`` accepted ones were computed
         on wrong tokens, so their positions count as uncomputed again (the KV cache manager's too);
         later steps write them over. Only known tokens are ever hashed for the prefix cache, so no
         block holding a rejected draft gets registered."""
-        num_drafts = len(request.spec_token_ids)
         request.spec_token_ids = []
         self._count_verified(num_drafts, num_accepted)
         if request.status == RequestStatus.RUNNING:
