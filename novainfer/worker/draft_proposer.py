@@ -9,15 +9,23 @@ request's scheduled tokens, where the draft writes the K/V of its proposals.
 
 After every step the draft runs in two parts:
 
-1. Catch-up: one varlen forward over each scheduled request's known tokens that the draft has not
+1. Catch-up (:meth:`DraftModelProposer.catch_up`), queued right behind the step, before its tokens
+   reach the host: one varlen forward over each scheduled request's tokens that the draft has not
    computed: a prompt chunk the target just computed (the draft keeps pace with the target, so a
-   block the prefix cache shares holds valid draft K/V too), or, for a request that sampled, its
-   newly accepted tokens up to and including its newest one, whose logits give the first draft.
-   Rejected drafts' positions are written over here.
-2. Proposal: ``num_speculative_tokens - 1`` one-token forwards, each feeding the previous argmax
-   (taken on the device), over the requests that sampled: one chain, which replays a single CUDA
-   graph for the whole proposal where one fits. Drafts are greedy: the proposal distribution q is
-   one-hot, as for n-gram drafts.
+   block the prefix cache shares holds valid draft K/V too), or, for a request that sampled, every
+   token the step may have given it (its drafts and one more), read from the step's tokens on the
+   device. Only the host learns later how many of them are real (the accepted drafts and the token
+   after them); the positions past those hold K/V of other tokens, counted as not computed, which
+   later forwards write over. The argmax at each request's newest token is taken on the device,
+   whose row the step's accepted count gives there.
+2. Proposal (:meth:`DraftModelProposer.propose`), once the step's tokens are on the host: the first
+   draft is that argmax; ``num_speculative_tokens - 1``
+   one-token forwards follow, each feeding the previous argmax (taken on the device), over the
+   requests that sampled: one chain, which replays a single CUDA graph for the whole proposal where
+   one fits. Drafts are greedy: the proposal distribution q is one-hot, as for n-gram drafts.
+
+So the device goes from the step to the catch-up without waiting for the host, which meanwhile
+fetches the step's tokens and stages the chain.
 
 The drafts' positions are not counted as computed by the draft: the next catch-up recomputes those
 that the target accepted (a few tokens per request, in the one forward that also feeds the newest
@@ -29,6 +37,7 @@ draft's forwards without waiting for them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,11 +48,24 @@ from novainfer.worker.model_runner import DeviceDrafts
 
 if TYPE_CHECKING:
     from novainfer.core.sched.output import SchedulerOutput
-    from novainfer.worker.model_runner import CachedRequestState, ModelRunner
+    from novainfer.worker.model_runner import CachedRequestState, ModelRunner, SampledStep
 
 
 # The largest batch a chain graph is captured for; larger proposals replay decode graphs per forward.
 MAX_CHAIN_GRAPH_SEQS = 64
+
+
+@dataclass
+class CatchUp:
+    """A launched catch-up forward, for the proposal that follows once the step's tokens are known."""
+
+    states: list[CachedRequestState]  # the requests it computed, in its order
+    known: np.ndarray  # per request: its known tokens when the step was launched
+    ends: np.ndarray  # per request: the end of the positions it computed
+    capacity: np.ndarray  # per request: its KV slots
+    # Per request: its row of ``tokens``, the argmax at its newest token (-1: none kept).
+    first_rows: np.ndarray
+    tokens: torch.Tensor | None  # the kept argmaxes, on the device
 
 
 class DraftModelProposer:
@@ -63,37 +85,88 @@ class DraftModelProposer:
             limit = min(limit, self.disable_by_batch_size)
         return {"chain_length": self.k - 1, "max_chain_seqs": limit}
 
-    def propose(self, target: ModelRunner, so: SchedulerOutput, sampled_req_ids: Sequence[str]) -> DeviceDrafts:
-        """Runs the draft after a step of ``target`` whose sampled tokens are on the host; returns the
-        drafts of each request of ``sampled_req_ids``, in that order, on the device (fewer than k
-        where its KV slots end, none while more requests run than ``disable_by_batch_size``)."""
-        sampled = set(sampled_req_ids)
+    def catch_up(self, target: ModelRunner, so: SchedulerOutput, step: SampledStep | None) -> CatchUp:
+        """Queues the catch-up after a step of ``target`` that is launched, its sampled tokens
+        (``step``) still on the device."""
+        sampled = step.rows if step is not None else {}
         states = [target.requests[rid] for rid in so.num_scheduled_tokens]
         capacity = np.fromiter((s.num_blocks for s in states), np.int64, len(states)) * target.block_size
-        # A request that sampled knows its newest token, which the draft computes too; any other one
-        # computed a prompt chunk, which the draft computes in turn. Never past the request's slots.
-        ends = np.minimum([len(s.token_ids) if s.req_id in sampled else s.num_computed_tokens for s in states],
-                          capacity)
+        known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
+        # A request that sampled may have got as many tokens as it verified drafts, and one more.
+        may_get = np.fromiter(((1 + (step.num_drafts[sampled[s.req_id]] if step.speculative else 0))
+                               if s.req_id in sampled else 0 for s in states), np.int64, len(states))
+        # A request that did not sample computed a prompt chunk, which the draft computes in turn.
+        computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
+        ends = np.minimum(np.where(may_get > 0, known + may_get, computed), capacity)  # never past its slots
         begins = np.fromiter((s.num_draft_computed_tokens for s in states), np.int64, len(states))
         keep = ends > begins
         states = [s for s, k in zip(states, keep) if k]
-        capacity, ends, begins = capacity[keep], ends[keep], begins[keep]
+        known, ends, capacity, begins, may_get = known[keep], ends[keep], capacity[keep], begins[keep], may_get[keep]
+        if not states:
+            return CatchUp([], known, ends, capacity, np.zeros(0, np.int64), None)
+        query_lens = ends - begins
+        # The argmax at a request's newest token, unless nothing will be proposed: its row is that
+        # of its first new token, moved on the device by how many more it got (within what was computed).
+        keeps = (may_get > 0) & (ends > known)
+        if self.disable_by_batch_size is not None and len(target.requests) > self.disable_by_batch_size:
+            keeps[:] = False
+        starts = np.cumsum(query_lens) - query_lens
+        logits_indices = (starts + known - begins)[keeps]
+        first_rows = np.where(keeps, np.cumsum(keeps) - 1, -1)
+        input_ids, sources = self._catch_up_inputs(states, begins, ends, known, sampled, step)
+        offsets = None
+        if keeps.any() and step.device_num_tokens is not None:
+            step_rows, limits = copy_to_device([np.fromiter((sampled[s.req_id] for s, k in zip(states, keeps) if k),
+                                                            np.int64), (ends - known - 1)[keeps]], self.runner.device)
+            offsets = torch.minimum(step.device_num_tokens[step_rows] - 1, limits)
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        tokens = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
+                                         logits_indices, sources,
+                                         step.device_token_rows.view(-1) if sources is not None else None, offsets)
+        return CatchUp(states, known, ends, capacity, first_rows, tokens)
+
+    @staticmethod
+    def _catch_up_inputs(states: list[CachedRequestState], begins: np.ndarray, ends: np.ndarray, known: np.ndarray,
+                         sampled: dict[str, int], step: SampledStep | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The catch-up's input tokens: each request's known ones from the host, then its new ones,
+        taken on the device (``token_sources``: entries of its row of the step's tokens)."""
+        width = step.device_token_rows.shape[1] if step is not None else 0
+        ids, sources = [], []
+        for state, begin, end, num_known in zip(states, begins.tolist(), ends.tolist(), known.tolist()):
+            ids.append(np.asarray(state.token_ids[begin:min(end, num_known)], dtype=np.int64))
+            sources.append(np.full(len(ids[-1]), -1, np.int64))
+            if end > num_known:
+                new = np.arange(max(begin, num_known), end) - num_known
+                ids.append(np.zeros(len(new), np.int64))
+                sources.append(sampled[state.req_id] * width + new)
+        return np.concatenate(ids), (np.concatenate(sources) if (ends > known).any() else None)
+
+    def propose(self, target: ModelRunner, catch_up: CatchUp, sampled_req_ids: Sequence[str]) -> DeviceDrafts:
+        """The drafts after ``catch_up``, once the step's tokens are on the host: of each request of
+        ``sampled_req_ids``, in that order, on the device (fewer than k where its KV slots end, none
+        while more requests run than ``disable_by_batch_size``)."""
+        states, ends = catch_up.states, catch_up.ends
         if not states:
             return self._no_drafts(sampled_req_ids)
-        # Drafts of a request that sampled and whose newest token the draft computes: forward j
-        # writes position end - 1 + j, which needs a slot.
-        proposes = [s.req_id in sampled and end == len(s.token_ids) for s, end in zip(states, ends.tolist())]
-        num_drafts = np.where(proposes, np.minimum(self.k, capacity - ends + 1), 0)
-        if self.disable_by_batch_size is not None and len(target.requests) > self.disable_by_batch_size:
-            num_drafts[:] = 0
-        first = self._catch_up(target, states, begins, ends, num_drafts > 0)
-        proposing = np.flatnonzero(num_drafts > 0)
-        drafts = self._propose(target, [states[i] for i in proposing], ends[proposing], num_drafts[proposing], first)
+        now_known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
+        # Positions past a request's real tokens hold K/V of other tokens: not computed.
+        for state, end in zip(states, np.minimum(ends, now_known).tolist()):
+            state.num_draft_computed_tokens = end
+        # A request proposes where the catch-up computed its newest token: forward j writes
+        # position known - 1 + j, which needs a slot.
+        proposing = np.flatnonzero((catch_up.first_rows >= 0) & (now_known <= ends) & (now_known > catch_up.known))
+        num_drafts = np.minimum(self.k, catch_up.capacity[proposing] - now_known[proposing] + 1)
+        first = None
+        if len(proposing):
+            (index_d,) = copy_to_device([catch_up.first_rows[proposing]], catch_up.tokens.device)
+            first = catch_up.tokens[index_d]
+        proposing_states = [states[i] for i in proposing.tolist()]
+        drafts = self._propose(target, proposing_states, now_known[proposing], num_drafts, first)
         # Rows in the order of sampled_req_ids; a request without drafts reads the last row (none).
-        row_of = {states[i].req_id: row for row, i in enumerate(proposing.tolist())}
+        row_of = {state.req_id: row for row, state in enumerate(proposing_states)}
         rows = np.fromiter((row_of.get(rid, len(proposing)) for rid in sampled_req_ids), np.int64,
                            len(sampled_req_ids))
-        counts = np.append(num_drafts[proposing], 0)[rows]
+        counts = np.append(num_drafts, 0)[rows]
         (rows_d,) = copy_to_device([rows], drafts.device)
         return DeviceDrafts(list(sampled_req_ids), counts.tolist(), drafts[rows_d])
 
@@ -103,20 +176,6 @@ class DraftModelProposer:
     def _empty_rows(self, num_rows: int) -> torch.Tensor:
         """Rows of the drafts table that hold none (-1)."""
         return torch.full((num_rows, self.k), -1, dtype=torch.int64, device=self.runner.device)
-
-    def _catch_up(self, target: ModelRunner, states: list[CachedRequestState], begins: np.ndarray,
-                  ends: np.ndarray, proposing: np.ndarray) -> torch.Tensor:
-        """The catch-up forward; returns the first draft of each proposing request (device)."""
-        query_lens = ends - begins
-        rows = np.fromiter((s.row for s in states), np.int64, len(states))
-        input_ids = np.concatenate([np.asarray(s.token_ids[b:e], dtype=np.int64)
-                                    for s, b, e in zip(states, begins.tolist(), ends.tolist())])
-        logits_indices = (np.cumsum(query_lens) - 1)[proposing]
-        first = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
-                                        logits_indices)
-        for state, end in zip(states, ends.tolist()):
-            state.num_draft_computed_tokens = end
-        return first
 
     def _propose(self, target: ModelRunner, states: list[CachedRequestState], ends: np.ndarray,
                  num_drafts: np.ndarray, first: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,9 @@ class StagedStep:
     previous_tokens: torch.Tensor | None = None
     # Copies of ``previous_tokens`` on other ranks' devices (see :meth:`copy_previous_tokens`).
     previous_tokens_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    # Added on the device to the step's logits rows (a draft's catch-up: which of a request's rows
+    # holds its newest token is known there first).
+    logits_offsets: torch.Tensor | None = None
 
     def copy_previous_tokens(self, devices: Sequence[torch.device]) -> None:
         """Queues the copies of ``previous_tokens`` to other ranks' devices, from the staging rank's
@@ -142,6 +145,11 @@ class SampledStep:
 
     states: list[CachedRequestState]  # the requests that sampled, in row order
     device_tokens: torch.Tensor  # [len(states)] int64: each request's newest token
+    # [len(states), P] int64: each request's new tokens (speculative decoding: the first
+    # ``device_num_tokens`` of its row; the rest are 0); a draft model's catch-up reads them
+    # before the host does.
+    device_token_rows: torch.Tensor
+    device_num_tokens: torch.Tensor | None  # [len(states)] int64, speculative decoding (else one each)
     rows: dict[str, int]  # req_id -> row
     # The step's results on the host, from one copy: the tokens [B]; with logprobs
     # [B, 1 + W] (W = 1 + 2 (n + 1)): the tokens, then LogprobsTensors.pack's columns; with
@@ -167,6 +175,7 @@ class SampledStep:
         ``logprobs`` then has B * P rows, request-major)."""
         batch = tokens.shape[0]
         num_positions = 1 if num_tokens is None else tokens.shape[1]
+        token_rows = tokens.unsqueeze(1) if num_tokens is None else tokens.clamp(min=0)
         parts = [tokens.unsqueeze(1)] if num_tokens is None else [num_tokens.unsqueeze(1), tokens]
         if logprobs is not None:
             parts.append(logprobs.pack().view(batch, -1))
@@ -178,8 +187,8 @@ class SampledStep:
         if tokens.device.type == "cuda":
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(tokens.device))
-        return cls(states, tokens, {s.req_id: row for row, s in enumerate(states)}, host_results,
-                   logprobs is not None, copied, num_positions, num_drafts)
+        return cls(states, tokens, token_rows, num_tokens, {s.req_id: row for row, s in enumerate(states)},
+                   host_results, logprobs is not None, copied, num_positions, num_drafts)
 
     def wait(self) -> tuple[list[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """The tokens of each request, and the logprob arrays (token ids, logprobs, ranks) if any,
@@ -539,6 +548,8 @@ class ModelRunner:
             previous = staged.previous_tokens_on(self.device)
             input_ids = views["input_ids"][:staged.num_tokens]
             input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
+        if staged.logits_offsets is not None:
+            views["logits_indices"][:staged.num_logits].add_(staged.logits_offsets)
         return views
 
     def prepare_inputs(self, seqs: Sequence[SequenceInput]) -> ModelInput:
@@ -619,11 +630,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def greedy_step(self, input_ids: np.ndarray, query_lens: np.ndarray, start_pos: np.ndarray,
-                    block_tables: np.ndarray, logits_indices: np.ndarray) -> torch.Tensor:
-        """Runs a step given as flat arrays (see :meth:`_stage`) and returns the argmax token of each
-        row of ``logits_indices``, on the device, without waiting for it (a draft model's steps).
-        Steps that fit a captured graph replay it."""
-        staged = self._stage(input_ids, query_lens, start_pos, block_tables, logits_indices, greedy=True)
+                    block_tables: np.ndarray, logits_indices: np.ndarray, token_sources: np.ndarray | None = None,
+                    source_tokens: torch.Tensor | None = None,
+                    logits_offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs a step given as flat arrays (see :meth:`_stage`; ``token_sources`` names the inputs
+        taken from ``source_tokens`` on the device, ``logits_offsets`` moves each logits row on the
+        device) and returns the argmax token of each logits row, on the device, without waiting for
+        it (a draft model's steps). Steps that fit a captured graph replay it."""
+        staged = self._stage(input_ids, query_lens, start_pos, block_tables, logits_indices, greedy=True,
+                             token_sources=token_sources, previous_tokens=source_tokens)
+        staged.logits_offsets = logits_offsets
         return self._greedy_tokens(self._compute_logits(self._load(staged)))
 
     @torch.inference_mode()
@@ -758,7 +774,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, on_staged: Callable[[StagedStep | None], None] | None = None,
-                      pipelined: bool = False) -> list[ModelRunnerOutput]:
+                      pipelined: bool = False,
+                      on_launched: Callable[[SampledStep | None], None] | None = None) -> list[ModelRunnerOutput]:
         """Runs a scheduled step; returns the outputs of the steps whose tokens this call fetched
         to the host, oldest first.
 
@@ -766,11 +783,15 @@ class ModelRunner:
         is launched, so the device goes from one to the next without waiting for the host; this
         step's inputs take that step's tokens on the device. With ``pipelined`` this step is left
         in flight in turn, else it is fetched too. ``on_staged`` gets the staged step (None for an
-        empty one) as soon as its inputs are in the host buffer, for other ranks to run it too.
+        empty one) as soon as its inputs are in the host buffer, for other ranks to run it too;
+        ``on_launched`` gets its sampled tokens, still on the device (None if nothing samples),
+        before anything is fetched, to queue work that reads them.
         """
         self._update_states(so)
         previous, self._in_flight = self._in_flight, None
         current = self._launch(so, previous, on_staged)
+        if on_launched is not None:
+            on_launched(current)
         outputs = [self._fetch(previous)] if previous is not None else []
         if current is not None:
             if pipelined:

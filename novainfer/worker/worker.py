@@ -29,7 +29,7 @@ from novainfer.distributed import (
     tp_group_context,
 )
 from novainfer.sample import SamplerOutput
-from novainfer.worker.draft_proposer import DraftModelProposer
+from novainfer.worker.draft_proposer import CatchUp, DraftModelProposer
 from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput, SequenceInput
 from novainfer.worker.step_broadcast import StepBroadcast
 
@@ -234,9 +234,12 @@ class Worker:
         started = time.perf_counter()
         runner = self.model_runner
         if step_broadcast is None:
-            output = runner.execute_model(scheduler_output, pipelined=pipelined)
-            if self.drafter is not None:
-                self._propose_drafts(scheduler_output, output)
+            catch_ups = []  # the draft's catch-up, queued behind the step before its tokens are fetched
+            on_launched = None if self.drafter is None else (
+                lambda step: catch_ups.append(self.drafter.catch_up(runner, scheduler_output, step)))
+            output = runner.execute_model(scheduler_output, pipelined=pipelined, on_launched=on_launched)
+            if catch_ups:
+                self._propose_drafts(catch_ups[0], output)
         elif self.is_driver_worker:
             try:
                 output = runner.execute_model(scheduler_output, on_staged=step_broadcast.publish,
@@ -253,11 +256,12 @@ class Worker:
                          scheduler_output.total_num_scheduled_tokens, 1e3 * (time.perf_counter() - started))
         return output
 
-    def _propose_drafts(self, scheduler_output: SchedulerOutput, outputs: list[ModelRunnerOutput]) -> None:
-        """Runs the draft model after a step (speculative steps are never left in flight, so
-        ``outputs`` holds this step's tokens, if it sampled) and adds its drafts to the output."""
+    def _propose_drafts(self, catch_up: CatchUp, outputs: list[ModelRunnerOutput]) -> None:
+        """Runs the draft model's proposal after a step and its catch-up (speculative steps are never
+        left in flight, so ``outputs`` holds this step's tokens, if it sampled) and adds its drafts
+        to the output."""
         sampled = outputs[-1] if outputs else None
-        drafts = self.drafter.propose(self.model_runner, scheduler_output, sampled.req_ids if sampled else [])
+        drafts = self.drafter.propose(self.model_runner, catch_up, sampled.req_ids if sampled else [])
         self.model_runner.device_drafts = drafts
         if sampled is not None:
             sampled.num_draft_tokens = drafts.counts
