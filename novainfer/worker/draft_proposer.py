@@ -114,16 +114,23 @@ class DraftModelProposer:
         logits_indices = (starts + known - begins)[keeps]
         first_rows = np.where(keeps, np.cumsum(keeps) - 1, -1)
         input_ids, sources = self._catch_up_inputs(states, begins, ends, known, sampled, step)
-        offsets = None
-        if keeps.any() and step.device_num_tokens is not None:
-            step_rows, limits = copy_to_device([np.fromiter((sampled[s.req_id] for s, k in zip(states, keeps) if k),
-                                                            np.int64), (ends - known - 1)[keeps]], self.runner.device)
-            offsets = torch.minimum(step.device_num_tokens[step_rows] - 1, limits)
+        offsets = self._newest_token_offsets(step, [s for s, k in zip(states, keeps) if k], (ends - known)[keeps])
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
         tokens = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
                                          logits_indices, sources,
                                          step.device_token_rows.view(-1) if sources is not None else None, offsets)
         return CatchUp(states, known, ends, capacity, first_rows, tokens)
+
+    def _newest_token_offsets(self, step: SampledStep | None, states: list[CachedRequestState],
+                              num_computed_new: np.ndarray) -> torch.Tensor | None:
+        """On the device, per request of ``states`` (which sampled in ``step``): how far its newest
+        token lies past its first new one, within the ``num_computed_new`` new positions computed
+        (None where each got one token: a step without drafts)."""
+        if not states or step.device_num_tokens is None:
+            return None
+        step_rows, limits = copy_to_device([np.fromiter((step.rows[s.req_id] for s in states), np.int64, len(states)),
+                                            num_computed_new - 1], self.runner.device)
+        return torch.minimum(step.device_num_tokens[step_rows] - 1, limits)
 
     @staticmethod
     def _catch_up_inputs(states: list[CachedRequestState], begins: np.ndarray, ends: np.ndarray, known: np.ndarray,
