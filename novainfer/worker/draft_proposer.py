@@ -19,10 +19,10 @@ After every step the draft runs in two parts:
    later forwards write over. The argmax at each request's newest token is taken on the device,
    whose row the step's accepted count gives there.
 2. Proposal (:meth:`DraftModelProposer.propose`), once the step's tokens are on the host: the first
-   draft is that argmax; ``num_speculative_tokens - 1``
-   one-token forwards follow, each feeding the previous argmax (taken on the device), over the
-   requests that sampled: one chain, which replays a single CUDA graph for the whole proposal where
-   one fits. Drafts are greedy: the proposal distribution q is one-hot, as for n-gram drafts.
+   draft is that argmax, and ``num_speculative_tokens - 1`` one-token forwards follow, each feeding
+   the previous argmax (taken on the device), over the requests that sampled: one chain, which
+   replays a single CUDA graph for the whole proposal where one fits. Drafts are greedy: the
+   proposal distribution q is one-hot, as for n-gram drafts.
 
 So the device goes from the step to the catch-up without waiting for the host, which meanwhile
 fetches the step's tokens and stages the chain.
