@@ -210,6 +210,26 @@ def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_dr
     assert scheduler.make_stats().spec_decode_num_accepted_tokens == 3 + 1
 
 
+def test_scheduler_takes_back_only_the_drafts_a_step_verified():
+    """A step left in flight without drafts comes back after the next step's drafts were proposed:
+    its one token is applied as is, and only the verifying step's output takes back rejected drafts."""
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=256, async_scheduling=True), kv)
+    scheduler.add_request(Request("r", [10, 11, 12, 13, 14], SamplingParams(max_tokens=20), max_tokens=20))
+    scheduler.schedule()  # the prompt, left in flight
+    request = scheduler.requests["r"]
+    request.spec_token_ids = [21, 22, 23]  # looked up while the first token was in flight
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"r": 4} and so.scheduled_spec_decode_tokens == {"r": [21, 22, 23]}
+    [first] = scheduler.update_from_output(["r"], [[20]])
+    assert first.new_token_ids == [20] and request.num_computed_tokens == 9
+    [verified] = scheduler.update_from_output(["r"], [[21, 30]], num_verified_drafts=[3])
+    # Prompt 5 + 3 outputs known; the newest (30) is not computed yet, nor the two rejected drafts.
+    assert verified.new_token_ids == [21, 30] and request.all_token_ids == [10, 11, 12, 13, 14, 20, 21, 30]
+    assert request.num_computed_tokens == 7 and kv._requests["r"].num_tokens == 7
+    assert scheduler.make_stats().spec_decode_num_draft_tokens == 3
+
+
 def _exact_probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
     """The target distribution of one position with temperature and top-k, computed here."""
     top = logits.topk(top_k)

@@ -101,7 +101,8 @@ def test_a_cycle_proposes_k_tokens_by_an_overlapping_copy():
 
 def test_proposer_history_follows_growing_and_replaced_requests():
     """The persistent history gives what a search over each request's whole list gives, while the
-    requests grow, leave, come back and have their ids reused by other requests."""
+    requests grow, leave, come back and have their ids reused by other requests; a request with a
+    token still being sampled gets the search's continuation past its guess of that token."""
     rng = random.Random(0)
     config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                           "prompt_lookup_max": 3})
@@ -109,8 +110,9 @@ def test_proposer_history_follows_growing_and_replaced_requests():
     live = {f"r{i}": [rng.randrange(3) for _ in range(rng.randint(1, 5))] for i in range(6)}
     for _ in range(60):
         ids = rng.sample(sorted(live), rng.randint(1, len(live)))  # some sit a call out
-        got = proposer.propose(ids, [live[rid] for rid in ids])
-        assert got == [reference_ngram(live[rid], 1, 3, 3) for rid in ids]
+        ahead = [rng.randrange(2) for _ in ids]
+        got = proposer.propose(ids, [live[rid] for rid in ids], ahead)
+        assert got == [reference_ngram(live[rid], 1, 3, 3 + n)[n:] for rid, n in zip(ids, ahead)]
         for rid in ids:
             live[rid].extend(rng.randrange(3) for _ in range(rng.randint(1, 4)))
         if rng.random() < 0.2:  # a request ends and its id comes back with other tokens
