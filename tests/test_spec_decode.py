@@ -137,14 +137,17 @@ def test_prefix_cache_hits_after_speculation_are_sound(spec_model_dir, prompts, 
     assert_both_paths_ran(llm.llm_engine.get_stats())
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 13])
-def test_max_tokens_is_never_exceeded(spec_model_dir, prompts, plain_greedy, max_tokens):
+def test_max_tokens_is_never_exceeded(spec_model_dir, prompts, plain_greedy, max_tokens, async_scheduling):
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-    completions, _ = generate(spec_model_dir, prompts, params, ngram(5), kv_cache_memory_bytes=SMALL_KV)
+    completions, _ = generate(spec_model_dir, prompts, params, ngram(5), kv_cache_memory_bytes=SMALL_KV,
+                              async_scheduling=async_scheduling)
     assert [c.token_ids for c in completions] == [t[:max_tokens] for t in plain_greedy()]
 
 
-def test_stop_token_ids_end_requests_as_without_speculation(spec_model_dir, prompts, plain_greedy):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_token_ids_end_requests_as_without_speculation(spec_model_dir, prompts, plain_greedy, async_scheduling):
     """Each request stops at the first occurrence of a token from the middle of its plain output (a
     stop inside one step's accepted tokens is checked on the scheduler below)."""
     expected, per_request = [], []
@@ -153,7 +156,8 @@ def test_stop_token_ids_end_requests_as_without_speculation(spec_model_dir, prom
         end = tokens.index(stop) + 1
         expected.append(tokens[:end])
         per_request.append(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop]))
-    completions, stats = generate(spec_model_dir, prompts, per_request, ngram(5), kv_cache_memory_bytes=SMALL_KV)
+    completions, stats = generate(spec_model_dir, prompts, per_request, ngram(5), kv_cache_memory_bytes=SMALL_KV,
+                                  async_scheduling=async_scheduling)
     assert [c.token_ids for c in completions] == expected
     assert all(c.finish_reason == "stop" for c in completions)
     assert stats.spec_decode_num_accepted_tokens_total > 0
