@@ -315,13 +315,6 @@ def test_bad_speculative_config_names_the_key(config, key):
         EngineArgs(model="tiny", device="cpu", speculative_config=config).create_engine_config()
 
 
-def test_unsupported_combinations_are_refused():
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineArgs(model="tiny", device="cpu", async_scheduling=True,
-                   speculative_config={"method": "draft_model", "model": "tiny",
-                                       "num_speculative_tokens": 2}).create_engine_config()
-
-
 @pytest.mark.parametrize("disable_by_batch_size", [None, 2])
 def test_steps_without_drafts_are_left_in_flight(monkeypatch, spec_model_dir, prompts, plain_greedy,
                                                  disable_by_batch_size):

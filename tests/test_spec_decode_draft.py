@@ -234,6 +234,32 @@ def test_disable_by_batch_size(spec_model_dir, prompts, plain_greedy):
     assert stats.spec_decode_num_draft_tokens_total == 0
 
 
+@pytest.mark.parametrize("config", ["default", "preemption"])
+def test_async_scheduling_leaves_steps_above_the_cut_off_in_flight(monkeypatch, spec_model_dir, prompts,
+                                                                   plain_greedy, drafts, config):
+    """With async scheduling, steps while more requests run than ``disable_by_batch_size`` are left
+    in flight (nothing is proposed after them; the draft catches up from their tokens on the device),
+    the others run one at a time with drafts. The requests end at different lengths, so both kinds
+    of step occur; the tokens are plain greedy, and a draft that is the target itself is accepted
+    in full: its cache holds the K/V of exactly the requests' tokens throughout."""
+    from novainfer.engine.core import EngineCore
+
+    decisions = []
+    can_pipeline = EngineCore._can_pipeline
+    monkeypatch.setattr(EngineCore, "_can_pipeline",
+                        lambda self, so: decisions.append(can_pipeline(self, so)) or decisions[-1])
+    lengths = [MAX_TOKENS - 4 * i for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in lengths]
+    completions, stats = generate(drafts["itself"], prompts, params,
+                                  draft_model(drafts["itself"], 3, disable_by_batch_size=3), async_scheduling=True,
+                                  max_num_seqs=len(prompts), **CONFIGS[config])
+    assert [c.token_ids for c in completions] == [out[:n] for out, n in zip(plain_greedy(), lengths)]
+    assert True in decisions and False in decisions
+    assert_acceptance(stats, "itself")
+    if config == "preemption":
+        assert stats.num_preemptions_total > 0
+
+
 def test_lookahead_slots_are_held_but_not_computed():
     """The scheduler holds k slots past a request's scheduled tokens (where the draft writes its
     proposals' K/V), never past the context limit."""

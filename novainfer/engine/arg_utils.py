@@ -78,6 +78,8 @@ class EngineArgs:
         max_batched = self.max_num_batched_tokens or max(8192, model_config.max_model_len)
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=self.max_num_seqs,
                                            max_model_len=model_config.max_model_len,
+                                           # With a draft model, only on request: it pipelines only steps
+                                           # above the speculation cut-off (EngineCore._can_pipeline).
                                            async_scheduling=(device.type == "cuda" and (
                                                speculative_config is None or speculative_config.method == "ngram")
                                                if self.async_scheduling is None else self.async_scheduling),
@@ -104,12 +106,6 @@ class EngineArgs:
         if self.speculative_config is None:
             return None
         config = SpeculativeConfig.from_dict(self.speculative_config)
-        # A step's drafts come from the tokens of the step before, so with n-gram drafts only steps
-        # after which nothing is proposed are pipelined (see EngineCore._can_pipeline); the draft
-        # model proposes in the worker right after each step, which is never left running.
-        if self.async_scheduling and config.method == "draft_model":
-            raise ValueError("async_scheduling=True cannot be combined with speculative_config method "
-                             "'draft_model' (it proposes from each step's tokens); leave async_scheduling unset")
         if self.tensor_parallel_size > 1:
             raise NotImplementedError(f"speculative_config needs tensor_parallel_size 1, got "
                                       f"{self.tensor_parallel_size}")

@@ -147,8 +147,13 @@ class EngineCore:
         """Whether the step may be left running while the next is scheduled. With speculation only
         a step without drafts: a verification's accepted count decides the next step's positions.
         The n-gram drafts of the step after a step left running are looked up one token early
-        (see :meth:`_propose_drafts`)."""
+        (see :meth:`_propose_drafts`); a draft model proposes from each step's tokens, so with one
+        only steps while more requests run than ``disable_by_batch_size`` (nothing is proposed)."""
         if not self.scheduler.config.async_scheduling or scheduler_output.is_empty:
+            return False
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "draft_model" and (
+                spec.disable_by_batch_size is None or len(self.scheduler.running) <= spec.disable_by_batch_size):
             return False
         return not scheduler_output.scheduled_spec_decode_tokens
 

@@ -62,6 +62,7 @@ class CatchUp:
     states: list[CachedRequestState]  # the requests it computed, in its order
     known: np.ndarray  # per request: its known tokens when the step was launched
     ends: np.ndarray  # per request: the end of the positions it computed
+    certain: np.ndarray  # per request: whether those are all its tokens (it verified no drafts)
     capacity: np.ndarray  # per request: its KV slots
     # Per request: its row of ``tokens``, the argmax at its newest token (-1: none kept).
     first_rows: np.ndarray
@@ -85,9 +86,11 @@ class DraftModelProposer:
             limit = min(limit, self.disable_by_batch_size)
         return {"chain_length": self.k - 1, "max_chain_seqs": limit}
 
-    def catch_up(self, target: ModelRunner, so: SchedulerOutput, step: SampledStep | None) -> CatchUp:
+    def catch_up(self, target: ModelRunner, so: SchedulerOutput, step: SampledStep | None,
+                 proposes: bool = True) -> CatchUp:
         """Queues the catch-up after a step of ``target`` that is launched, its sampled tokens
-        (``step``) still on the device."""
+        (``step``) still on the device; without ``proposes`` (a step left in flight, after which
+        nothing is proposed) it keeps no argmax."""
         sampled = step.rows if step is not None else {}
         states = [target.requests[rid] for rid in so.num_scheduled_tokens]
         capacity = np.fromiter((s.num_blocks for s in states), np.int64, len(states)) * target.block_size
@@ -102,13 +105,15 @@ class DraftModelProposer:
         keep = ends > begins
         states = [s for s, k in zip(states, keep) if k]
         known, ends, capacity, begins, may_get = known[keep], ends[keep], capacity[keep], begins[keep], may_get[keep]
+        certain = may_get <= 1
         if not states:
-            return CatchUp([], known, ends, capacity, np.zeros(0, np.int64), None)
+            return CatchUp([], known, ends, certain, capacity, np.zeros(0, np.int64), None)
         query_lens = ends - begins
         # The argmax at a request's newest token, unless nothing will be proposed: its row is that
         # of its first new token, moved on the device by how many more it got (within what was computed).
         keeps = (may_get > 0) & (ends > known)
-        if self.disable_by_batch_size is not None and len(target.requests) > self.disable_by_batch_size:
+        if not proposes or (self.disable_by_batch_size is not None
+                            and len(target.requests) > self.disable_by_batch_size):
             keeps[:] = False
         starts = np.cumsum(query_lens) - query_lens
         logits_indices = (starts + known - begins)[keeps]
@@ -119,7 +124,7 @@ class DraftModelProposer:
         tokens = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
                                          logits_indices, sources,
                                          step.device_token_rows.view(-1) if sources is not None else None, offsets)
-        return CatchUp(states, known, ends, capacity, first_rows, tokens)
+        return CatchUp(states, known, ends, certain, capacity, first_rows, tokens)
 
     def _newest_token_offsets(self, step: SampledStep | None, states: list[CachedRequestState],
                               num_computed_new: np.ndarray) -> torch.Tensor | None:
@@ -156,8 +161,9 @@ class DraftModelProposer:
         if not states:
             return self._no_drafts(sampled_req_ids)
         now_known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
-        # Positions past a request's real tokens hold K/V of other tokens: not computed.
-        for state, end in zip(states, np.minimum(ends, now_known).tolist()):
+        # Positions past a request's real tokens hold K/V of other tokens: not computed. (A step
+        # left in flight gives each request one token, which the host may not know yet.)
+        for state, end in zip(states, np.where(catch_up.certain, ends, np.minimum(ends, now_known)).tolist()):
             state.num_draft_computed_tokens = end
         # A request proposes where the catch-up computed its newest token: forward j writes
         # position known - 1 + j, which needs a slot.

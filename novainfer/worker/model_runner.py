@@ -785,14 +785,14 @@ class ModelRunner:
         in flight in turn, else it is fetched too. ``on_staged`` gets the staged step (None for an
         empty one) as soon as its inputs are in the host buffer, for other ranks to run it too;
         ``on_launched`` gets its sampled tokens, still on the device (None if nothing samples),
-        before anything is fetched, to queue work that reads them.
+        once the step before is fetched and before this one is, to queue work that reads them.
         """
         self._update_states(so)
         previous, self._in_flight = self._in_flight, None
         current = self._launch(so, previous, on_staged)
+        outputs = [self._fetch(previous)] if previous is not None else []
         if on_launched is not None:
             on_launched(current)
-        outputs = [self._fetch(previous)] if previous is not None else []
         if current is not None:
             if pipelined:
                 self._in_flight = current

@@ -236,10 +236,10 @@ class Worker:
         if step_broadcast is None:
             catch_ups = []  # the draft's catch-up, queued behind the step before its tokens are fetched
             on_launched = None if self.drafter is None else (
-                lambda step: catch_ups.append(self.drafter.catch_up(runner, scheduler_output, step)))
+                lambda step: catch_ups.append(self.drafter.catch_up(runner, scheduler_output, step, not pipelined)))
             output = runner.execute_model(scheduler_output, pipelined=pipelined, on_launched=on_launched)
             if catch_ups:
-                self._propose_drafts(catch_ups[0], output)
+                self._propose_drafts(catch_ups[0], output if not pipelined else [])
         elif self.is_driver_worker:
             try:
                 output = runner.execute_model(scheduler_output, on_staged=step_broadcast.publish,
@@ -257,9 +257,9 @@ class Worker:
         return output
 
     def _propose_drafts(self, catch_up: CatchUp, outputs: list[ModelRunnerOutput]) -> None:
-        """Runs the draft model's proposal after a step and its catch-up (speculative steps are never
-        left in flight, so ``outputs`` holds this step's tokens, if it sampled) and adds its drafts
-        to the output."""
+        """Runs the draft model's proposal after a step and its catch-up and adds its drafts to the
+        step's output, the last of ``outputs`` (none for a step left in flight: nothing is proposed
+        after it)."""
         sampled = outputs[-1] if outputs else None
         drafts = self.drafter.propose(self.model_runner, catch_up, sampled.req_ids if sampled else [])
         self.model_runner.device_drafts = drafts
