@@ -72,6 +72,26 @@ def test_greedy_draft_model_outputs_on_gpu_equal_plain_ones(max_num_seqs, draft)
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_draft_model_with_async_scheduling_on_gpu_equals_plain_decoding():
+    """With async scheduling, the steps above the cut-off are left in flight and the draft catches
+    up from their tokens on the device; the rest verify drafts. The target drafting for itself keeps
+    (nearly) every draft accepted, so the draft's cache stays that of the requests' tokens."""
+    model = tiny_model(std=0.1)
+    prompts = _prompts(700)
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS - i % 48)
+              for i in range(len(prompts))]  # requests end at different steps: the batch shrinks past the cut-off
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(str(model), device="cuda").generate(inputs, params, use_tqdm=False)
+    llm = LLM(str(model), device="cuda", async_scheduling=True,
+              speculative_config={"method": "draft_model", "model": str(model), "num_speculative_tokens": 4,
+                                  "disable_by_batch_size": 16})
+    spec = llm.generate(inputs, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.llm_engine.get_stats()
+    drafted, accepted = stats.spec_decode_num_draft_tokens_total, stats.spec_decode_num_accepted_tokens_total
+    assert 0 < accepted >= 0.99 * drafted
+
+
 def test_greedy_logprobs_and_penalties_with_speculation_on_gpu_equal_plain_ones():
     """Logprobs of accepted tokens and a frequency penalty that changes with every draft a position
     counts: the same tokens and logprobs (to float tolerance) as plain decoding with graphs."""
