@@ -121,9 +121,10 @@ class DraftModelProposer:
         input_ids, sources = self._catch_up_inputs(states, begins, ends, known, sampled, step)
         offsets = self._newest_token_offsets(step, [s for s, k in zip(states, keeps) if k], (ends - known)[keeps])
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        # A row's entries past its new tokens are -1: read only at positions counted as not computed.
+        source_tokens = step.device_token_rows.clamp(min=0).view(-1) if sources is not None else None
         tokens = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
-                                         logits_indices, sources,
-                                         step.device_token_rows.view(-1) if sources is not None else None, offsets)
+                                         logits_indices, sources, source_tokens, offsets)
         return CatchUp(states, known, ends, certain, capacity, first_rows, tokens)
 
     def _newest_token_offsets(self, step: SampledStep | None, states: list[CachedRequestState],

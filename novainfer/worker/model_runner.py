@@ -146,7 +146,7 @@ class SampledStep:
     states: list[CachedRequestState]  # the requests that sampled, in row order
     device_tokens: torch.Tensor  # [len(states)] int64: each request's newest token
     # [len(states), P] int64: each request's new tokens (speculative decoding: the first
-    # ``device_num_tokens`` of its row; the rest are 0); a draft model's catch-up reads them
+    # ``device_num_tokens`` of its row; the rest are -1); a draft model's catch-up reads them
     # before the host does.
     device_token_rows: torch.Tensor
     device_num_tokens: torch.Tensor | None  # [len(states)] int64, speculative decoding (else one each)
@@ -175,7 +175,7 @@ class SampledStep:
         ``logprobs`` then has B * P rows, request-major)."""
         batch = tokens.shape[0]
         num_positions = 1 if num_tokens is None else tokens.shape[1]
-        token_rows = tokens.unsqueeze(1) if num_tokens is None else tokens.clamp(min=0)
+        token_rows = tokens.unsqueeze(1) if num_tokens is None else tokens
         parts = [tokens.unsqueeze(1)] if num_tokens is None else [num_tokens.unsqueeze(1), tokens]
         if logprobs is not None:
             parts.append(logprobs.pack().view(batch, -1))
