@@ -155,6 +155,32 @@ def test_prefix_cache_hits_carry_the_draft_cache(spec_model_dir, prompts, plain_
     assert 0 < accepted == drafted
 
 
+def test_prefix_cache_hits_on_blocks_the_draft_skipped(spec_model_dir, prompts, plain_greedy):
+    """While more requests run than ``disable_by_batch_size`` the draft computes nothing, so the
+    blocks written then hold the target's K/V only. Requests that later hit them in the prefix
+    cache, one at a time (so with drafts), have the draft compute those blocks first: with the
+    target as its own draft every draft is accepted, there and when the same prefixes are hit
+    again (the blocks now hold the draft's K/V too)."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+    llm = LLM(str(spec_model_dir), speculative_config=draft_model(spec_model_dir, 3, disable_by_batch_size=1),
+              block_size=4, kv_cache_memory_bytes=SMALL_KV)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == plain_greedy()
+    assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens_total == 0  # all ran together
+    extended = [p + o.outputs[0].token_ids[:30] for p, o in zip(prompts, first)]
+    for attempt in range(2):
+        for prompt in extended[:3]:
+            before = llm.llm_engine.get_stats()
+            (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+                temperature=0.0, ignore_eos=True, max_tokens=8), use_tqdm=False)
+            assert out.num_cached_tokens >= 28
+            assert out.outputs[0].token_ids == hf_greedy(spec_model_dir, prompt, 8)
+            after = llm.llm_engine.get_stats()
+            drafted = after.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total
+            accepted = after.spec_decode_num_accepted_tokens_total - before.spec_decode_num_accepted_tokens_total
+            assert 0 < accepted == drafted, (attempt, drafted, accepted)
+
+
 def test_max_tokens_and_stops_inside_an_accepted_run(spec_model_dir, prompts, plain_greedy):
     """With every draft accepted, a step emits k + 1 tokens: max_tokens and stop token ids that fall
     inside such a run cut the output exactly where plain decoding ends it."""
@@ -234,12 +260,19 @@ def test_disable_by_batch_size(spec_model_dir, prompts, plain_greedy):
     assert stats.spec_decode_num_draft_tokens_total == 0
 
 
-@pytest.mark.parametrize("config", ["default", "preemption"])
+ASYNC_DRAFT_CONFIGS = {
+    "default": CONFIGS["default"], "preemption": CONFIGS["preemption"],
+    # Steps of 16 tokens: the tokens the draft skipped do not fit one catch-up.
+    "step_budget_16": dict(max_num_batched_tokens=16, kv_cache_memory_bytes=SMALL_KV),
+}
+
+
+@pytest.mark.parametrize("config", list(ASYNC_DRAFT_CONFIGS))
 def test_async_scheduling_leaves_steps_above_the_cut_off_in_flight(monkeypatch, spec_model_dir, prompts,
                                                                    plain_greedy, drafts, config):
     """With async scheduling, steps while more requests run than ``disable_by_batch_size`` are left
-    in flight (nothing is proposed after them; the draft catches up from their tokens on the device),
-    the others run one at a time with drafts. The requests end at different lengths, so both kinds
+    in flight and the draft skips them; the others run one at a time with drafts, once the draft has
+    computed the tokens it skipped (over several steps where its step budget is small). The requests end at different lengths, so both kinds
     of step occur; the tokens are plain greedy, and a draft that is the target itself is accepted
     in full: its cache holds the K/V of exactly the requests' tokens throughout."""
     from novainfer.engine.core import EngineCore
@@ -252,7 +285,7 @@ def test_async_scheduling_leaves_steps_above_the_cut_off_in_flight(monkeypatch, 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in lengths]
     completions, stats = generate(drafts["itself"], prompts, params,
                                   draft_model(drafts["itself"], 3, disable_by_batch_size=3), async_scheduling=True,
-                                  max_num_seqs=len(prompts), **CONFIGS[config])
+                                  max_num_seqs=len(prompts), **ASYNC_DRAFT_CONFIGS[config])
     assert [c.token_ids for c in completions] == [out[:n] for out, n in zip(plain_greedy(), lengths)]
     assert True in decisions and False in decisions
     assert_acceptance(stats, "itself")

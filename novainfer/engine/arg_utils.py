@@ -78,11 +78,10 @@ class EngineArgs:
         max_batched = self.max_num_batched_tokens or max(8192, model_config.max_model_len)
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=self.max_num_seqs,
                                            max_model_len=model_config.max_model_len,
-                                           # With a draft model, only on request: it pipelines only steps
-                                           # above the speculation cut-off (EngineCore._can_pipeline).
-                                           async_scheduling=(device.type == "cuda" and (
-                                               speculative_config is None or speculative_config.method == "ngram")
-                                               if self.async_scheduling is None else self.async_scheduling),
+                                           # With speculation, only steps without drafts are pipelined
+                                           # (EngineCore._can_pipeline).
+                                           async_scheduling=(device.type == "cuda" if self.async_scheduling is None
+                                                             else self.async_scheduling),
                                            # Steps with decodes stay within the captured graphs.
                                            max_mixed_step_tokens=(self.max_cudagraph_capture_size
                                                                   if device.type == "cuda" and not self.enforce_eager

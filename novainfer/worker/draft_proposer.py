@@ -91,6 +91,11 @@ class DraftModelProposer:
         """Queues the catch-up after a step of ``target`` that is launched, its sampled tokens
         (``step``) still on the device; without ``proposes`` (a step left in flight, after which
         nothing is proposed) it keeps no argmax."""
+        if not proposes or (self.disable_by_batch_size is not None
+                            and len(target.requests) > self.disable_by_batch_size):
+            # Nothing is proposed after this step: the draft lags until proposals resume, then
+            # computes every token it missed (a large batch's steps cost what they cost without it).
+            return CatchUp([], *(np.zeros(0, np.int64) for _ in range(5)), None)
         sampled = step.rows if step is not None else {}
         states = [target.requests[rid] for rid in so.num_scheduled_tokens]
         capacity = np.fromiter((s.num_blocks for s in states), np.int64, len(states)) * target.block_size
@@ -102,6 +107,7 @@ class DraftModelProposer:
         computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
         ends = np.minimum(np.where(may_get > 0, known + may_get, computed), capacity)  # never past its slots
         begins = np.fromiter((s.num_draft_computed_tokens for s in states), np.int64, len(states))
+        ends = begins + self._within_budget(ends - begins)
         keep = ends > begins
         states = [s for s, k in zip(states, keep) if k]
         known, ends, capacity, begins, may_get = known[keep], ends[keep], capacity[keep], begins[keep], may_get[keep]
@@ -112,9 +118,6 @@ class DraftModelProposer:
         # The argmax at a request's newest token, unless nothing will be proposed: its row is that
         # of its first new token, moved on the device by how many more it got (within what was computed).
         keeps = (may_get > 0) & (ends > known)
-        if not proposes or (self.disable_by_batch_size is not None
-                            and len(target.requests) > self.disable_by_batch_size):
-            keeps[:] = False
         starts = np.cumsum(query_lens) - query_lens
         logits_indices = (starts + known - begins)[keeps]
         first_rows = np.where(keeps, np.cumsum(keeps) - 1, -1)
@@ -126,6 +129,13 @@ class DraftModelProposer:
         tokens = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
                                          logits_indices, sources, source_tokens, offsets)
         return CatchUp(states, known, ends, certain, capacity, first_rows, tokens)
+
+    def _within_budget(self, query_lens: np.ndarray) -> np.ndarray:
+        """Each request's share of ``query_lens`` that fits the draft's step buffers, in order: after
+        steps it skipped, a request may lag by many tokens; one that does not fit catches up over
+        the next steps, without drafts meanwhile."""
+        budget = self.runner.buffers.capacity.max_tokens
+        return np.clip(budget - (np.cumsum(query_lens) - query_lens), 0, query_lens)
 
     def _newest_token_offsets(self, step: SampledStep | None, states: list[CachedRequestState],
                               num_computed_new: np.ndarray) -> torch.Tensor | None:
@@ -165,6 +175,7 @@ class DraftModelProposer:
         # Positions past a request's real tokens hold K/V of other tokens: not computed. (A step
         # left in flight gives each request one token, which the host may not know yet.)
         for state, end in zip(states, np.where(catch_up.certain, ends, np.minimum(ends, now_known)).tolist()):
+            target.mark_draft_kv_blocks(state, state.num_draft_computed_tokens, end)
             state.num_draft_computed_tokens = end
         # A request proposes where the catch-up computed its newest token: forward j writes
         # position known - 1 + j, which needs a slot.

@@ -288,6 +288,10 @@ class ModelRunner:
         self._in_flight: SampledStep | None = None
         # The draft model's latest proposals (speculative decoding), which the next step verifies.
         self.device_drafts: DeviceDrafts | None = None
+        # With a draft model: per KV block, whether the draft's cache holds the K/V of all its
+        # positions (the draft skips steps after which it proposes nothing, so a block the prefix
+        # cache shares may hold the target's K/V only).
+        self.draft_kv_blocks: np.ndarray | None = None
 
     # ---- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -732,6 +736,22 @@ class ModelRunner:
             self._free_rows = list(range(len(grown) - 1, old - 1, -1))
         return self._free_rows.pop()
 
+    def _draft_computed_of_hit(self, block_ids: Sequence[int], num_computed: int) -> int:
+        """How many of a joining request's ``num_computed`` tokens (its prefix-cache hit) the draft's
+        cache holds: those before its first hit block the draft did not compute. Its other blocks
+        are new, the draft's K/V in them not yet computed."""
+        if self.draft_kv_blocks is None:
+            return num_computed
+        num_hit = -(-num_computed // self.block_size)
+        self.draft_kv_blocks[block_ids[num_hit:]] = False
+        missing = np.flatnonzero(~self.draft_kv_blocks[block_ids[:num_hit]])
+        return num_computed if not len(missing) else min(num_computed, int(missing[0]) * self.block_size)
+
+    def mark_draft_kv_blocks(self, state: CachedRequestState, begin: int, end: int) -> None:
+        """Records that the draft computed positions [begin, end) of ``state``: the blocks they fill."""
+        if self.draft_kv_blocks is not None and end // self.block_size > begin // self.block_size:
+            self.draft_kv_blocks[self.block_table_rows[state.row, begin // self.block_size:end // self.block_size]] = True
+
     def _drop_request(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
@@ -758,7 +778,7 @@ class ModelRunner:
                 list(new.output_token_ids), params, new.num_computed_tokens, self._take_row(),
                 plain_greedy=greedy and params.logprobs is None,
                 greedy_with_logprobs=greedy and params.logprobs is not None,
-                num_draft_computed_tokens=new.num_computed_tokens)
+                num_draft_computed_tokens=self._draft_computed_of_hit(new.block_ids, new.num_computed_tokens))
             self._append_blocks(state, new.block_ids)
             self.requests[new.req_id] = state
             joined.append(state)
@@ -770,6 +790,8 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             if cached.new_block_ids:
                 self._append_blocks(state, cached.new_block_ids)
+                if self.draft_kv_blocks is not None:
+                    self.draft_kv_blocks[cached.new_block_ids] = False
             state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()

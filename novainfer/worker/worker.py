@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -199,6 +200,8 @@ class Worker:
             runner.reserve_step_buffers(sched.max_num_seqs, sched.max_num_batched_tokens)
             chains = self.drafter.chain_graphs(sched.max_num_seqs) if runner is self.draft_runner else {}
             runner.capture_model(sched.max_num_seqs, sched.max_num_batched_tokens, **chains)
+        if self.drafter is not None:
+            self.model_runner.draft_kv_blocks = np.zeros(num_blocks, dtype=bool)
         self._warm_up()
 
     def _warm_up(self) -> None:
