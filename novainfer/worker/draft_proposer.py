@@ -165,12 +165,10 @@ class DraftModelProposer:
         return np.concatenate(ids), (np.concatenate(sources) if (ends > known).any() else None)
 
     def propose(self, target: ModelRunner, catch_up: CatchUp, sampled_req_ids: Sequence[str]) -> DeviceDrafts:
-        """The drafts after ``catch_up``, once the step's tokens are on the host: of each request of
-        ``sampled_req_ids``, in that order, on the device (fewer than k where its KV slots end, none
-        while more requests run than ``disable_by_batch_size``)."""
+        """The drafts after ``catch_up`` (which computed something), once the step's tokens are on the
+        host: of each request of ``sampled_req_ids``, in that order, on the device (fewer than k
+        where its KV slots end)."""
         states, ends = catch_up.states, catch_up.ends
-        if not states:
-            return self._no_drafts(sampled_req_ids)
         now_known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
         # Positions past a request's real tokens hold K/V of other tokens: not computed. (A step
         # left in flight gives each request one token, which the host may not know yet.)
@@ -194,9 +192,6 @@ class DraftModelProposer:
         counts = np.append(num_drafts, 0)[rows]
         (rows_d,) = copy_to_device([rows], drafts.device)
         return DeviceDrafts(list(sampled_req_ids), counts.tolist(), drafts[rows_d])
-
-    def _no_drafts(self, req_ids: Sequence[str]) -> DeviceDrafts:
-        return DeviceDrafts(list(req_ids), [0] * len(req_ids), self._empty_rows(len(req_ids)))
 
     def _empty_rows(self, num_rows: int) -> torch.Tensor:
         """Rows of the drafts table that hold none (-1)."""

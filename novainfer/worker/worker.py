@@ -264,6 +264,9 @@ class Worker:
         step's output, the last of ``outputs`` (none for a step left in flight: nothing is proposed
         after it)."""
         sampled = outputs[-1] if outputs else None
+        if not catch_up.states:  # the draft computed nothing (a step above the cut-off): no drafts
+            self.model_runner.device_drafts = None
+            return
         drafts = self.drafter.propose(self.model_runner, catch_up, sampled.req_ids if sampled else [])
         self.model_runner.device_drafts = drafts
         if sampled is not None:
