@@ -21,7 +21,8 @@ from the engine's counters over the timed runs only.
 * ``throughput``: benchmarks/throughput.py's runner on its nano-vllm workload (random prompts,
   uniform lengths, token ids only; its flags keep throughput.py's names, with nano-vllm's lengths),
   speculation on (the configuration's ``disable_by_batch_size`` as given, else its default)
-  against off; the median of ``--repeats`` runs.
+  against off; ``--rounds`` engines per side, alternating which side starts, and the median of
+  their runs (``--repeats`` each).
 
 Both sides run the same engine arguments; the one with speculation adds ``--speculative-config``
 (default: n-gram, 4 tokens). Greedy outputs are compared between the sides (they should be equal:
@@ -80,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--min-output", type=int, default=100)
     t.add_argument("--max-output", type=int, default=1024)
     t.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs compared between the sides)")
+    t.add_argument("--rounds", type=int, default=2,
+                   help="engines per side, alternating which side starts (each runs --repeats times)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads' random draws")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; medians are reported")
     p.add_argument("--profile", action="store_true",
@@ -88,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if max(args.batch_sizes) > args.max_num_seqs:
         p.error(f"--batch-sizes {max(args.batch_sizes)} is more than --max-num-seqs {args.max_num_seqs}")
-    for flag in ("input_len", "passage_len", "repeats", "num_seqs"):
+    for flag in ("input_len", "passage_len", "repeats", "num_seqs", "rounds"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.output_len < 2 or args.warmup < 0 or min(args.batch_sizes) < 1:
@@ -252,30 +255,38 @@ def run_decode(args: argparse.Namespace, model_dir: str, vocab_size: int, device
 
 
 def run_throughput(args: argparse.Namespace, model_dir: str, vocab_size: int, device) -> dict[str, Any]:
-    """throughput.py's NovaInfer runner with and without speculation on its workload."""
+    """throughput.py's NovaInfer runner with and without speculation on its workload, an engine per
+    side and round. Rounds alternate which side starts (off, on; then on, off; ...): of two engines
+    run one after the other in one process the second was measured slower (one H200: speculation on
+    at 0.76-0.87x of off when always second, 0.97-0.99x in processes of their own), so each side
+    takes each place equally often. The median over every round's runs is reported."""
     # throughput.py's settings where this script has none (sampling but temperature, tokenizer), token ids
     # only (text is the same work with speculation or without).
     targs = argparse.Namespace(**{**vars(throughput.parse_args(["--peer", "none"])), **vars(args),
                                   "detokenize": False})
     workload = make_workload(args.num_seqs, vocab_size, args.min_input, args.max_input, args.min_output,
                              args.max_output, seed=args.seed)
-    sides, tokens = {}, {}
-    for side in ("off", "on"):
-        targs.speculative_config = args.speculative_config if side == "on" else None
-        runner = throughput.NovaInferRunner(targs, model_dir, workload)
-        runs = []
-        for _ in range(args.repeats):
-            before = SpecCounts.of(runner.llm)
-            result, tokens[side] = runner.run()
-            runs.append({**result, **SpecCounts.of(runner.llm).since(before)})
-        median = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
-        sides[side] = {**median, "engine": engine_facts(runner.llm),
-                       "output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in runs]}
-        print(f"  throughput, speculation {side}: {median['output_tokens_per_s']:.1f} output tok/s, "
-              f"acceptance rate {median['acceptance_rate']}", flush=True)
-        runner.close()
-        release_device_memory(device)
-    return {"workload": workload.describe(), "sampling": throughput.sampling_settings(targs),
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    tokens, engines = {}, {}
+    for round_index in range(args.rounds):
+        for side in ("off", "on") if round_index % 2 == 0 else ("on", "off"):
+            targs.speculative_config = args.speculative_config if side == "on" else None
+            runner = throughput.NovaInferRunner(targs, model_dir, workload)
+            for _ in range(args.repeats):
+                before = SpecCounts.of(runner.llm)
+                result, tokens[side] = runner.run()
+                runs[side].append({**result, **SpecCounts.of(runner.llm).since(before)})
+            engines[side] = engine_facts(runner.llm)
+            print(f"  throughput, round {round_index + 1}, speculation {side}: "
+                  f"{[round(r['output_tokens_per_s']) for r in runs[side][-args.repeats:]]} output tok/s", flush=True)
+            runner.close()
+            release_device_memory(device)
+    sides = {}
+    for side, side_runs in runs.items():
+        median = sorted(side_runs, key=lambda r: r["output_tokens_per_s"])[len(side_runs) // 2]
+        sides[side] = {**median, "engine": engines[side],
+                       "output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in side_runs]}
+    return {"workload": workload.describe(), "sampling": throughput.sampling_settings(targs), "rounds": args.rounds,
             "off": sides["off"], "on": sides["on"],
             "on_over_off": round(sides["on"]["output_tokens_per_s"] / sides["off"]["output_tokens_per_s"], 4),
             "acceptance_rate": sides["on"]["acceptance_rate"],

@@ -157,6 +157,8 @@ def test_spec_decode_benchmark_reports_the_acceptance_of_each_figure(tmp_path):
     assert tput["on"]["output_tokens"] == tput["off"]["output_tokens"] == tput["workload"]["total_output_tokens"]
     assert tput["on"]["draft_tokens"] > 0 and tput["off"]["draft_tokens"] == 0
     assert tput["on"]["engine"]["speculative_config"]["num_speculative_tokens"] == k
+    # Two rounds (the default) of one run each: every side's runs are pooled.
+    assert tput["rounds"] == 2 and all(len(tput[side]["output_tokens_per_s_runs"]) == 2 for side in ("off", "on"))
 
 
 def test_api_process_benchmark_streams_every_burst_and_reports_per_token_cpu(tmp_path):
