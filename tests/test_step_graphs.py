@@ -121,8 +121,7 @@ def test_a_chain_of_greedy_forwards_equals_one_forward_at_a_time(request, graphs
     if graphs != "none":
         replayed.clear()
     width = max(map(len, tables))
-    chain = runner.greedy_chain(first, np.arange(4), torch.tensor([len(p) for p in prompts]),
-                                torch.from_numpy(num_forwards), length,
+    chain = runner.greedy_chain(first, np.arange(4), np.array([len(p) for p in prompts]), num_forwards, length,
                                 np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32))
     got = torch.cat([first.unsqueeze(1), chain], dim=1).tolist()
     assert [row[:count + 1] for row, count in zip(got, num_forwards.tolist())] == expected

@@ -64,11 +64,9 @@ class CatchUp:
     ends: np.ndarray  # per request: the end of the positions it computed
     certain: np.ndarray  # per request: whether those are all its tokens (it verified no drafts)
     capacity: np.ndarray  # per request: its KV slots
-    # Per request: its row of ``drafts`` (-1: it proposes nothing).
+    # Per request: its row of ``tokens``, the argmax at its newest token (-1: none kept).
     first_rows: np.ndarray
-    # [rows + 1, k] on the device: the drafts of the requests that may propose, then a row of none
-    # (-1); a request's count is known once the step's tokens are (see ``DraftModelProposer.propose``).
-    drafts: torch.Tensor | None
+    tokens: torch.Tensor | None  # the kept argmaxes, on the device
 
 
 class DraftModelProposer:
@@ -117,26 +115,20 @@ class DraftModelProposer:
         if not states:
             return CatchUp([], known, ends, certain, capacity, np.zeros(0, np.int64), None)
         query_lens = ends - begins
-        # The argmax at a request's newest token, the first draft: its row is that of its first new
-        # token, moved on the device by how many more it got (within what was computed).
+        # The argmax at a request's newest token, unless nothing will be proposed: its row is that
+        # of its first new token, moved on the device by how many more it got (within what was computed).
         keeps = (may_get > 0) & (ends > known)
         starts = np.cumsum(query_lens) - query_lens
         logits_indices = (starts + known - begins)[keeps]
         first_rows = np.where(keeps, np.cumsum(keeps) - 1, -1)
         input_ids, sources = self._catch_up_inputs(states, begins, ends, known, sampled, step)
-        kept = [s for s, k in zip(states, keeps) if k]
-        offsets = None
-        if kept:
-            got, limits, known_d, ends_d, capacity_d = self._kept_on_device(step, kept, known[keeps], ends[keeps],
-                                                                            capacity[keeps])
-            offsets = None if step.device_num_tokens is None else torch.minimum(got - 1, limits)
+        offsets = self._newest_token_offsets(step, [s for s, k in zip(states, keeps) if k], (ends - known)[keeps])
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
         # A row's entries past its new tokens are -1: read only at positions counted as not computed.
         source_tokens = step.device_token_rows.clamp(min=0).view(-1) if sources is not None else None
-        first = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
-                                        logits_indices, sources, source_tokens, offsets)
-        drafts = self._propose(target, kept, known_d + got, ends_d, capacity_d, first) if kept else None
-        return CatchUp(states, known, ends, certain, capacity, first_rows, drafts)
+        tokens = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
+                                         logits_indices, sources, source_tokens, offsets)
+        return CatchUp(states, known, ends, certain, capacity, first_rows, tokens)
 
     def _within_budget(self, query_lens: np.ndarray) -> np.ndarray:
         """Each request's share of ``query_lens`` that fits the draft's step buffers, in order: after
@@ -145,17 +137,16 @@ class DraftModelProposer:
         budget = self.runner.buffers.capacity.max_tokens
         return np.clip(budget - (np.cumsum(query_lens) - query_lens), 0, query_lens)
 
-    def _kept_on_device(self, step: SampledStep, states: list[CachedRequestState], known: np.ndarray,
-                        ends: np.ndarray, capacity: np.ndarray) -> list[torch.Tensor]:
-        """On the device, per request of ``states`` (which sampled in ``step``): the tokens it got
-        (known there first), the last of its new positions the catch-up computed (as an offset from
-        its first), and its ``known``, ``ends`` and ``capacity``."""
-        step_rows = np.fromiter((step.rows[s.req_id] for s in states), np.int64, len(states))
-        step_rows, limits, known_d, ends_d, capacity_d = copy_to_device(
-            [step_rows, ends - known - 1, known, ends, capacity], self.runner.device)
-        got = (step.device_num_tokens[step_rows] if step.device_num_tokens is not None
-               else torch.ones_like(known_d))
-        return [got, limits, known_d, ends_d, capacity_d]
+    def _newest_token_offsets(self, step: SampledStep | None, states: list[CachedRequestState],
+                              num_computed_new: np.ndarray) -> torch.Tensor | None:
+        """On the device, per request of ``states`` (which sampled in ``step``): how far its newest
+        token lies past its first new one, within the ``num_computed_new`` new positions computed
+        (None where each got one token: a step without drafts)."""
+        if not states or step.device_num_tokens is None:
+            return None
+        step_rows, limits = copy_to_device([np.fromiter((step.rows[s.req_id] for s in states), np.int64, len(states)),
+                                            num_computed_new - 1], self.runner.device)
+        return torch.minimum(step.device_num_tokens[step_rows] - 1, limits)
 
     @staticmethod
     def _catch_up_inputs(states: list[CachedRequestState], begins: np.ndarray, ends: np.ndarray, known: np.ndarray,
@@ -174,9 +165,9 @@ class DraftModelProposer:
         return np.concatenate(ids), (np.concatenate(sources) if (ends > known).any() else None)
 
     def propose(self, target: ModelRunner, catch_up: CatchUp, sampled_req_ids: Sequence[str]) -> DeviceDrafts:
-        """The drafts that ``catch_up`` (which computed something) launched, once the step's tokens
-        are on the host: of each request of ``sampled_req_ids``, in that order, on the device (fewer
-        than k where its KV slots end, none where the catch-up did not compute its newest token)."""
+        """The drafts after ``catch_up`` (which computed something), once the step's tokens are on the
+        host: of each request of ``sampled_req_ids``, in that order, on the device (fewer than k
+        where its KV slots end)."""
         states, ends = catch_up.states, catch_up.ends
         now_known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
         # Positions past a request's real tokens hold K/V of other tokens: not computed. (A step
@@ -184,41 +175,45 @@ class DraftModelProposer:
         for state, end in zip(states, np.where(catch_up.certain, ends, np.minimum(ends, now_known)).tolist()):
             target.mark_draft_kv_blocks(state, state.num_draft_computed_tokens, end)
             state.num_draft_computed_tokens = end
-        # As the chain decided on the device (see _propose).
-        proposing = (catch_up.first_rows >= 0) & (now_known <= ends)
-        num_drafts = np.where(proposing, np.minimum(self.k, catch_up.capacity - now_known + 1), 0)
-        drafts = catch_up.drafts if catch_up.drafts is not None else self._empty_rows(1)
-        none_row = drafts.shape[0] - 1
-        row_of = {s.req_id: (row, count) for s, row, count in zip(states, catch_up.first_rows.tolist(),
-                                                                  num_drafts.tolist()) if count}
-        rows_counts = [row_of.get(rid, (none_row, 0)) for rid in sampled_req_ids]
-        (rows_d,) = copy_to_device([np.fromiter((r for r, _ in rows_counts), np.int64, len(rows_counts))],
-                                   drafts.device)
-        return DeviceDrafts(list(sampled_req_ids), [c for _, c in rows_counts], drafts[rows_d])
+        # A request proposes where the catch-up computed its newest token: forward j writes
+        # position known - 1 + j, which needs a slot.
+        proposing = np.flatnonzero((catch_up.first_rows >= 0) & (now_known <= ends) & (now_known > catch_up.known))
+        num_drafts = np.minimum(self.k, catch_up.capacity[proposing] - now_known[proposing] + 1)
+        first = None
+        if len(proposing):
+            (index_d,) = copy_to_device([catch_up.first_rows[proposing]], catch_up.tokens.device)
+            first = catch_up.tokens[index_d]
+        proposing_states = [states[i] for i in proposing.tolist()]
+        drafts = self._propose(target, proposing_states, now_known[proposing], num_drafts, first)
+        # Rows in the order of sampled_req_ids; a request without drafts reads the last row (none).
+        row_of = {state.req_id: row for row, state in enumerate(proposing_states)}
+        rows = np.fromiter((row_of.get(rid, len(proposing)) for rid in sampled_req_ids), np.int64,
+                           len(sampled_req_ids))
+        counts = np.append(num_drafts, 0)[rows]
+        (rows_d,) = copy_to_device([rows], drafts.device)
+        return DeviceDrafts(list(sampled_req_ids), counts.tolist(), drafts[rows_d])
 
     def _empty_rows(self, num_rows: int) -> torch.Tensor:
         """Rows of the drafts table that hold none (-1)."""
         return torch.full((num_rows, self.k), -1, dtype=torch.int64, device=self.runner.device)
 
-    def _propose(self, target: ModelRunner, states: list[CachedRequestState], now_known: torch.Tensor,
-                 ends: torch.Tensor, capacity: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """The drafts of ``states``, launched before the host knows how many tokens each got
-        (``now_known``, on the device, as ``ends`` and ``capacity``): their first ones (``first``,
-        from the catch-up), then one chain of one-token forwards (see ``ModelRunner.greedy_chain``).
-        A request proposes where the catch-up computed its newest token (``now_known <= ends``):
-        forward j writes position now_known - 1 + j, which needs a slot. Returns
+    def _propose(self, target: ModelRunner, states: list[CachedRequestState], ends: np.ndarray,
+                 num_drafts: np.ndarray, first: torch.Tensor) -> torch.Tensor:
+        """The drafts of the proposing requests ``states``: their first ones (``first``, from the
+        catch-up), then one chain of one-token forwards (see ``ModelRunner.greedy_chain``). Returns
         [len(states) + 1, k] on the device, row i those of ``states[i]`` and a last row of none
-        (-1); entries past a request's count are meaningless."""
+        (-1); entries past a request's ``num_drafts`` are meaningless."""
+        none = self._empty_rows(1)
+        if not states:
+            return none
         parts = [first.unsqueeze(1)]
         if self.k > 1:
-            num_drafts = torch.where(now_known <= ends, torch.clamp(capacity - now_known + 1, max=self.k), 0)
+            # Forward j feeds draft j at position end - 1 + j (its KV slot) and gives draft j + 1.
+            num_forwards = num_drafts - 1
             rows = np.fromiter((s.row for s in states), np.int64, len(states))
-            capacity_host = np.fromiter((s.num_blocks for s in states), np.int64, len(states)) * target.block_size
-            # A row that proposes nothing reads a position it holds, and writes nothing.
-            parts.append(self.runner.greedy_chain(first, np.arange(len(states)), torch.minimum(now_known, ends),
-                                                  (num_drafts - 1).clamp(min=0), self.k - 1,
-                                                  self._block_tables(target, rows, capacity_host)))
-        return torch.cat([torch.cat(parts, dim=1), self._empty_rows(1)])
+            parts.append(self.runner.greedy_chain(first, np.arange(len(states)), ends, num_forwards, self.k - 1,
+                                                  self._block_tables(target, rows, ends + num_forwards)))
+        return torch.cat([torch.cat(parts, dim=1), none])
 
     @staticmethod
     def _block_tables(target: ModelRunner, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:

@@ -81,9 +81,6 @@ class StepInputBuffers:
                               else self._host_bytes)
         # Set when a copy is queued; the host waits on it before overwriting the staging buffer.
         self._copy_done = torch.cuda.Event() if on_cuda else None
-        # Set when a copy from another buffer's host side is queued: what that buffer waits on (not
-        # on this buffer's later copies from its own host side).
-        self._source_copy_done = torch.cuda.Event() if on_cuda else None
         # Copies that other ranks' buffers (threads of this process) queued from this host buffer,
         # by the device they copy to: this buffer is only writable again once they have read it.
         self._reader_copies: dict[torch.device, torch.cuda.Event] = {}
@@ -119,7 +116,6 @@ class StepInputBuffers:
             self._device_bytes[:num_bytes].copy_(source._host_bytes[:num_bytes], non_blocking=True)
             self._copy_done.record()
             if source is not self:
-                self._source_copy_done.record()
-                source._reader_copies[self.device] = self._source_copy_done
+                source._reader_copies[self.device] = self._copy_done
         elif source is not self:
             self._device_bytes[:num_bytes].copy_(source._host_bytes[:num_bytes])

@@ -270,8 +270,6 @@ class ModelRunner:
         # buffers of their own for the rare step larger than them (the low-level API's).
         self.buffers: StepInputBuffers | None = None
         self._oversized_buffers: StepInputBuffers | None = None
-        # The host side a draft's chains are staged in (see _stage_chain).
-        self._chain_staging: StepInputBuffers | None = None
         # Row r holds the block ids of the request that owns row r (host only; a step copies its rows).
         self.block_table_rows = np.zeros((0, self.max_blocks_per_seq), dtype=np.int32)
         self._free_rows: list[int] = []
@@ -649,79 +647,58 @@ class ModelRunner:
         return self._greedy_tokens(self._compute_logits(self._load(staged)))
 
     @torch.inference_mode()
-    def greedy_chain(self, first_tokens: torch.Tensor, token_sources: np.ndarray, positions: torch.Tensor,
-                     num_forwards: torch.Tensor, length: int, block_tables: np.ndarray) -> torch.Tensor:
+    def greedy_chain(self, first_tokens: torch.Tensor, token_sources: np.ndarray, positions: np.ndarray,
+                     num_forwards: np.ndarray, length: int, block_tables: np.ndarray) -> torch.Tensor:
         """``length`` one-token greedy forwards in a row over the same sequences, each fed the argmax
         of the one before (a draft model's proposals), with no host work between them.
 
-        Row b first feeds ``first_tokens[token_sources[b]]`` at ``positions[b]``, then each forward's
-        token at the next position, writing K/V for ``num_forwards[b]`` forwards; after those it
-        reads its last written position again without writing (its tokens are then meaningless).
-        ``first_tokens``, ``positions`` and ``num_forwards`` are on the device, where they are known
-        first (a draft proposes before the host learns what the step it follows accepted);
-        ``block_tables`` covers every position a row may write. Returns the tokens [rows, length]
-        on the device, without waiting: one replay of a chain graph where one fits; else
-        decode-graph replays or eager forwards, each advanced to its position on the device.
+        Row b first feeds ``first_tokens[token_sources[b]]`` (on the device) at ``positions[b]``,
+        then each forward's token at the next position, writing K/V for ``num_forwards[b]`` forwards;
+        after those it reads its last written position again without writing (its tokens are then
+        meaningless). ``block_tables`` covers ``positions + num_forwards``. Returns the tokens
+        [rows, length] on the device, without waiting: one replay of a chain graph where one fits;
+        else decode-graph replays or eager forwards, each advanced to its position on the device.
         """
-        rows = len(token_sources)
-        staged, buffers = self._stage_chain(first_tokens, token_sources, length, block_tables)
-        size = staged.num_seqs
+        staged = self._stage_chain(first_tokens, token_sources, positions, num_forwards, length, block_tables)
+        buffers, size, rows = staged.buffers, staged.num_seqs, len(positions)
         views = self._copy_inputs(staged, buffers)
-        self._place_chain(views, size, length, positions, num_forwards)
         key = staged.graph_key
         if key is not None and key.kind == "chain":
             return self.graphs.replay(key)[:rows]
         metadata = None if key is not None else self._static_metadata(GraphKey("decode", size), views)
         return self._run_chain(size, length, views, metadata)[:rows]
 
-    def _stage_chain(self, first_tokens: torch.Tensor, token_sources: np.ndarray, length: int,
-                     block_tables: np.ndarray) -> tuple[StagedStep, StepInputBuffers]:
+    def _stage_chain(self, first_tokens: torch.Tensor, token_sources: np.ndarray, positions: np.ndarray,
+                     num_forwards: np.ndarray, length: int, block_tables: np.ndarray) -> StagedStep:
         """Stages a chain (see :meth:`greedy_chain`) as its first forward, a decode step of
-        ``size`` rows (padded to a graph), with room in the token regions for every later
-        forward's positions and KV slots (forward j's at ``j * size``; see :meth:`_place_chain`).
-        Returns it and the buffers it is copied to. A chain into the reserved buffers is staged in
-        a host buffer of its own: the catch-up before it, queued but maybe not copied yet, still
-        reads theirs."""
-        rows = len(token_sources)
+        ``size`` rows (padded to a graph), followed in the token regions by every later forward's
+        positions and KV slots: forward j's at ``j * size``."""
+        rows = len(positions)
         key = self.graphs.padded_key("chain", rows) if length == self.chain_length else None
         key = key or self.graphs.padded_key("decode", rows)
         size = key.size if key is not None else rows
         buffers = self._staging_buffers(BufferCapacity(size * length, size, block_tables.shape[1]))
-        staging = buffers
         if buffers is not self.buffers:
             key = None
-        else:
-            if self._chain_staging is None or self._chain_staging.capacity != buffers.capacity:
-                self._chain_staging = StepInputBuffers(buffers.capacity, self.device)
-            staging = self._chain_staging
-        staging.wait_until_writable()
-        host = staging.host
-        for name, pad in (("positions", 0), ("slot_mapping", -1)):  # padding rows: no position, no write
-            host[name][:size * length] = pad
+        buffers.wait_until_writable()
+        host, bs, steps = buffers.host, self.block_size, np.arange(length)
+        # A row past its forwards stays at its last written position (reading valid context).
+        pos = positions[:, None] - 1 + np.minimum(steps[None, :] + 1, num_forwards[:, None])
+        slots = block_tables[np.arange(rows)[:, None], pos // bs] * bs + pos % bs
+        slots[steps[None, :] >= num_forwards[:, None]] = -1
+        for name, values, pad in (("positions", pos, 0), ("slot_mapping", slots, -1)):
+            grid = host[name][:size * length].reshape(length, size)
+            grid[:, :rows] = values.T
+            grid[:, rows:] = pad
         host["input_ids"][:size] = 0
         host["token_sources"][:rows] = token_sources
         host["token_sources"][rows:size] = -1
         host["query_start_loc"][:size + 1] = np.arange(size + 1)
-        host["seq_lens"][:size] = 0
+        host["seq_lens"][:rows] = pos[:, 0] + 1
+        host["seq_lens"][rows:size] = 0
         host["block_tables"][:rows, :block_tables.shape[1]] = block_tables
-        staged = StagedStep(staging, staging.block_table_rows_end(rows), size, size, 0, np.ones(rows, np.int64),
-                            np.zeros(rows, np.int64), key, False, True, first_tokens)
-        return staged, buffers
-
-    def _place_chain(self, views: dict[str, torch.Tensor], size: int, length: int, positions: torch.Tensor,
-                     num_forwards: torch.Tensor) -> None:
-        """Writes each row's positions, KV slots and first context length for every forward of a
-        staged chain, on the device: forward j of row b at position ``positions[b] - 1 + j + 1``
-        while it writes, else at its last written position (reading valid context, writing nothing)."""
-        rows, bs = len(positions), self.block_size
-        steps = torch.arange(1, length + 1, device=positions.device)
-        pos = positions[:, None] - 1 + torch.minimum(steps[None, :], num_forwards[:, None])
-        block_tables = views["block_tables"][:rows].long()
-        slots = block_tables.gather(1, torch.div(pos, bs, rounding_mode="floor")) * bs + pos % bs
-        slots = torch.where(steps[None, :] > num_forwards[:, None], -1, slots)
-        views["positions"][:size * length].view(length, size)[:, :rows] = pos.T
-        views["slot_mapping"][:size * length].view(length, size)[:, :rows] = slots.T
-        views["seq_lens"][:rows] = pos[:, 0] + 1
+        return StagedStep(buffers, buffers.block_table_rows_end(rows), size, size, 0, np.ones(rows, np.int64),
+                          pos[:, 0] + 1, key, False, True, first_tokens)
 
     def _run_chain(self, size: int, length: int, views: dict[str, torch.Tensor],
                    metadata: AttentionMetadata | None) -> torch.Tensor:
