@@ -24,6 +24,7 @@ for Qwen2's 151,936 entries (233 MB for 256 rows, 933 MB for 1,024).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -63,7 +64,9 @@ def copy_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[t
             for a, offset in zip(arrays, offsets)]
 
 
+@functools.cache
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    # Looked up once per dtype: copy_to_device runs several times per step.
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
