@@ -7,14 +7,15 @@ preemption and freeing are therefore the target's, unchanged; the cache budget c
 bytes in both caches. The scheduler keeps ``num_speculative_tokens`` lookahead slots past each
 request's scheduled tokens, where the draft writes the K/V of its proposals.
 
-After every step the draft runs in two parts:
+After every step after which it proposes (at most ``disable_by_batch_size`` requests running) the
+draft runs in two parts; after the others it computes nothing, and the next catch-up computes every
+token it skipped (see ``ModelRunner.draft_kv_blocks`` for blocks the prefix cache shares meanwhile):
 
 1. Catch-up (:meth:`DraftModelProposer.catch_up`), queued right behind the step, before its tokens
    reach the host: one varlen forward over each scheduled request's tokens that the draft has not
-   computed: a prompt chunk the target just computed (the draft keeps pace with the target, so a
-   block the prefix cache shares holds valid draft K/V too), or, for a request that sampled, every
-   token the step may have given it (its drafts and one more), read from the step's tokens on the
-   device. Only the host learns later how many of them are real (the accepted drafts and the token
+   computed: those it skipped, a prompt chunk the target just computed and, for a request that
+   sampled, every token the step may have given it (its drafts and one more), read from the step's
+   tokens on the device. Only the host learns later how many of them are real (the accepted drafts and the token
    after them); the positions past those hold K/V of other tokens, counted as not computed, which
    later forwards write over. The argmax at each request's newest token is taken on the device,
    whose row the step's accepted count gives there.
@@ -89,8 +90,8 @@ class DraftModelProposer:
     def catch_up(self, target: ModelRunner, so: SchedulerOutput, step: SampledStep | None,
                  proposes: bool = True) -> CatchUp:
         """Queues the catch-up after a step of ``target`` that is launched, its sampled tokens
-        (``step``) still on the device; without ``proposes`` (a step left in flight, after which
-        nothing is proposed) it keeps no argmax."""
+        (``step``) still on the device. After a step that proposes nothing (not ``proposes``: one
+        left in flight; or more requests run than ``disable_by_batch_size``) it computes nothing."""
         if not proposes or (self.disable_by_batch_size is not None
                             and len(target.requests) > self.disable_by_batch_size):
             # Nothing is proposed after this step: the draft lags until proposals resume, then
@@ -115,8 +116,8 @@ class DraftModelProposer:
         if not states:
             return CatchUp([], known, ends, certain, capacity, np.zeros(0, np.int64), None)
         query_lens = ends - begins
-        # The argmax at a request's newest token, unless nothing will be proposed: its row is that
-        # of its first new token, moved on the device by how many more it got (within what was computed).
+        # The argmax at a request's newest token, the first draft: its row is that of its first new
+        # token, moved on the device by how many more it got (within what was computed).
         keeps = (may_get > 0) & (ends > known)
         starts = np.cumsum(query_lens) - query_lens
         logits_indices = (starts + known - begins)[keeps]
