@@ -17,7 +17,8 @@ from the engine's counters over the timed runs only.
   engine's counters over the timed runs: engine steps, tokens per step, ms per step and the
   executor's share (forward, sampling, verification and, with a draft model, its forwards); with
   ``--profile`` (CUDA) also the device's busy time per step (the union of the kernels' intervals
-  under torch.profiler, one more run) and its top kernels.
+  under torch.profiler, one more run) and its top kernels. Each of ``--rounds`` engines per side
+  measures every batch; the round with the median ms per token gives the figure.
 * ``throughput``: benchmarks/throughput.py's runner on its nano-vllm workload (random prompts,
   uniform lengths, token ids only; its flags keep throughput.py's names, with nano-vllm's lengths),
   speculation on (the configuration's ``disable_by_batch_size`` as given, else its default)
@@ -27,7 +28,8 @@ from the engine's counters over the timed runs only.
 Both sides run the same engine arguments; the one with speculation adds ``--speculative-config``
 (default: n-gram, 4 tokens). Greedy outputs are compared between the sides (they should be equal:
 the figure of a run whose outputs differ is reported with that flag). The engines run one after
-the other; each is shut down and its memory released before the next one starts.
+the other, alternating which side starts a round (see ``side_order``); each is shut down and its
+memory released before the next one starts.
 
     python benchmarks/spec_decode.py                       # tiny model on CPU
     python benchmarks/spec_decode.py --arch qwen2-0.5b     # a real architecture on the GPU
@@ -81,10 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--min-output", type=int, default=100)
     t.add_argument("--max-output", type=int, default=1024)
     t.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs compared between the sides)")
-    t.add_argument("--rounds", type=int, default=2,
-                   help="engines per side, alternating which side starts (each runs --repeats times)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads' random draws")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; medians are reported")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="engines per side, alternating which side starts; each measures every figure "
+                        "(decode: the median round's is reported; throughput: the median of all runs)")
     p.add_argument("--profile", action="store_true",
                    help="decode: also the device's busy time per engine step and its top kernels (CUDA)")
     add_output_arguments(p, "spec_decode_<device>_<model>")
@@ -228,20 +231,21 @@ def close(llm, device) -> None:
 
 def run_decode(args: argparse.Namespace, model_dir: str, vocab_size: int, device) -> dict[str, Any]:
     batches = {b: decode_prompts(args, vocab_size, b) for b in args.batch_sizes}
-    sides: dict[str, dict[int, tuple[dict[str, Any], list]]] = {}
+    rounds: dict[str, dict[int, list[tuple[dict[str, Any], list]]]] = {"off": {}, "on": {}}
     facts = {}
-    for side in ("off", "on"):
-        llm = start_engine(args, model_dir, side == "on")
-        facts[side] = engine_facts(llm)
-        sides[side] = {}
-        for b, prompts in batches.items():
-            sides[side][b] = measure_decode(llm, prompts, args)
-            print(f"  decode batch {b}, speculation {side}: {sides[side][b][0]['ms_per_token']:.3f} ms/token, "
-                  f"acceptance rate {sides[side][b][0]['acceptance_rate']}", flush=True)
-        close(llm, device)
+    for round_index in range(args.rounds):
+        for side in side_order(round_index):
+            llm = start_engine(args, model_dir, side == "on")
+            facts[side] = engine_facts(llm)
+            for b, prompts in batches.items():
+                rounds[side].setdefault(b, []).append(measure_decode(llm, prompts, args))
+                print(f"  decode batch {b}, round {round_index + 1}, speculation {side}: "
+                      f"{rounds[side][b][-1][0]['ms_per_token']:.3f} ms/token, "
+                      f"acceptance rate {rounds[side][b][-1][0]['acceptance_rate']}", flush=True)
+            close(llm, device)
     figures = {}
     for b in args.batch_sizes:
-        (off, off_tokens), (on, on_tokens) = sides["off"][b], sides["on"][b]
+        (off, off_tokens), (on, on_tokens) = (median_round(rounds[side][b]) for side in ("off", "on"))
         figures[f"batch_{b}"] = {"batch_size": b, "off": off, "on": on,
                                  "speedup": round(off["ms_per_token"] / on["ms_per_token"], 3)
                                  if on["ms_per_token"] > 0 else None,
@@ -250,16 +254,29 @@ def run_decode(args: argparse.Namespace, model_dir: str, vocab_size: int, device
     return {"workload": {"input_len": args.input_len, "output_len": args.output_len, "prompt_kind": args.prompt_kind,
                          "passage_len": args.passage_len if args.prompt_kind == "repeated" else None,
                          "greedy": True, "ignore_eos": True, "warmup_runs": args.warmup, "repeats": args.repeats,
-                         "ms_per_token": "(median generate s - median prefill-only s) / (output_len - 1)"},
+                         "rounds": args.rounds,
+                         "ms_per_token": "(median generate s - median prefill-only s) / (output_len - 1), "
+                                         "of the median round"},
             "engines": facts, "figures": figures}
+
+
+def side_order(round_index: int) -> tuple[str, str]:
+    """Which side's engine runs first in a round: off in even rounds, on in odd ones. Of two
+    engines run one after the other in one process the second was measured slower (one H200:
+    offline throughput with speculation on at 0.76-0.87x of off when always second, 0.97-0.99x
+    in processes of their own), so each side takes each place equally often."""
+    return ("off", "on") if round_index % 2 == 0 else ("on", "off")
+
+
+def median_round(results: list[tuple[dict[str, Any], list]]) -> tuple[dict[str, Any], list]:
+    """The round whose ms/token is the median (the upper one of an even count), with every round's."""
+    result, tokens = sorted(results, key=lambda r: r[0]["ms_per_token"])[len(results) // 2]
+    return {**result, "ms_per_token_rounds": [r["ms_per_token"] for r, _ in results]}, tokens
 
 
 def run_throughput(args: argparse.Namespace, model_dir: str, vocab_size: int, device) -> dict[str, Any]:
     """throughput.py's NovaInfer runner with and without speculation on its workload, an engine per
-    side and round. Rounds alternate which side starts (off, on; then on, off; ...): of two engines
-    run one after the other in one process the second was measured slower (one H200: speculation on
-    at 0.76-0.87x of off when always second, 0.97-0.99x in processes of their own), so each side
-    takes each place equally often. The median over every round's runs is reported."""
+    side and round (see :func:`side_order`). The median over every round's runs is reported."""
     # throughput.py's settings where this script has none (sampling but temperature, tokenizer), token ids
     # only (text is the same work with speculation or without).
     targs = argparse.Namespace(**{**vars(throughput.parse_args(["--peer", "none"])), **vars(args),
@@ -269,7 +286,7 @@ def run_throughput(args: argparse.Namespace, model_dir: str, vocab_size: int, de
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     tokens, engines = {}, {}
     for round_index in range(args.rounds):
-        for side in ("off", "on") if round_index % 2 == 0 else ("on", "off"):
+        for side in side_order(round_index):
             targs.speculative_config = args.speculative_config if side == "on" else None
             runner = throughput.NovaInferRunner(targs, model_dir, workload)
             for _ in range(args.repeats):
