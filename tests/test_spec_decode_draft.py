@@ -272,9 +272,10 @@ def test_async_scheduling_leaves_steps_above_the_cut_off_in_flight(monkeypatch, 
                                                                    plain_greedy, drafts, config):
     """With async scheduling, steps while more requests run than ``disable_by_batch_size`` are left
     in flight and the draft skips them; the others run one at a time with drafts, once the draft has
-    computed the tokens it skipped (over several steps where its step budget is small). The requests end at different lengths, so both kinds
-    of step occur; the tokens are plain greedy, and a draft that is the target itself is accepted
-    in full: its cache holds the K/V of exactly the requests' tokens throughout."""
+    computed the tokens it skipped (over several steps where its step budget is small). The
+    requests end at different lengths, so both kinds of step occur; the tokens are plain greedy,
+    and a draft that is the target itself is accepted in full: its cache holds the K/V of exactly
+    the requests' tokens throughout."""
     from novainfer.engine.core import EngineCore
 
     decisions = []

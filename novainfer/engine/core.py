@@ -187,7 +187,8 @@ class EngineCore:
         if not decoding:
             return
         if spec.method == "ngram":
-            proposals = self._ngram_proposer.propose([r.request_id for r in decoding], [r.all_token_ids for r in decoding],
+            proposals = self._ngram_proposer.propose([r.request_id for r in decoding],
+                                                     [r.all_token_ids for r in decoding],
                                                      [r.num_output_placeholders for r in decoding])
         else:
             # Their values stay on the device, where the step that verifies them reads them.

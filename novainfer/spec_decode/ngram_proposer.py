@@ -102,7 +102,8 @@ class NgramProposer:
         rows = np.fromiter((self._write(rid, tokens) for rid, tokens in zip(request_ids, token_lists)),
                            dtype=np.int64, count=len(request_ids))
         ahead = num_ahead or [0] * len(request_ids)
-        proposals = propose_ngram(self._table[rows, :width], lengths, self.min_n, self.max_n, self.k + max(ahead, default=0))
+        proposals = propose_ngram(self._table[rows, :width], lengths, self.min_n, self.max_n,
+                                  self.k + max(ahead, default=0))
         return [row[skip:skip + self.k] if num else []
                 for row, num, skip in zip(proposals.token_ids.tolist(), proposals.num_tokens.tolist(), ahead)]
 

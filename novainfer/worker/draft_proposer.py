@@ -15,9 +15,9 @@ token it skipped (see ``ModelRunner.draft_kv_blocks`` for blocks the prefix cach
    reach the host: one varlen forward over each scheduled request's tokens that the draft has not
    computed: those it skipped, a prompt chunk the target just computed and, for a request that
    sampled, every token the step may have given it (its drafts and one more), read from the step's
-   tokens on the device. Only the host learns later how many of them are real (the accepted drafts and the token
-   after them); the positions past those hold K/V of other tokens, counted as not computed, which
-   later forwards write over. The argmax at each request's newest token is taken on the device,
+   tokens on the device. Only the host learns later how many of them are real (the accepted drafts
+   and the token after them); the positions past those hold K/V of other tokens, counted as not
+   computed, which later forwards write over. The argmax at each request's newest token is taken on the device,
    whose row the step's accepted count gives there.
 2. Proposal (:meth:`DraftModelProposer.propose`), once the step's tokens are on the host: the first
    draft is that argmax, and ``num_speculative_tokens - 1`` one-token forwards follow, each feeding
@@ -88,15 +88,15 @@ class DraftModelProposer:
         return {"chain_length": self.k - 1, "max_chain_seqs": limit}
 
     def catch_up(self, target: ModelRunner, so: SchedulerOutput, step: SampledStep | None,
-                 proposes: bool = True) -> CatchUp:
+                 proposes: bool = True) -> CatchUp | None:
         """Queues the catch-up after a step of ``target`` that is launched, its sampled tokens
-        (``step``) still on the device. After a step that proposes nothing (not ``proposes``: one
-        left in flight; or more requests run than ``disable_by_batch_size``) it computes nothing."""
+        (``step``) still on the device; None where it computes nothing. After a step that proposes
+        nothing (not ``proposes``: one left in flight; or more requests run than
+        ``disable_by_batch_size``) it computes nothing: the draft lags until proposals resume, then
+        computes every token it missed (a large batch's steps cost what they cost without it)."""
         if not proposes or (self.disable_by_batch_size is not None
                             and len(target.requests) > self.disable_by_batch_size):
-            # Nothing is proposed after this step: the draft lags until proposals resume, then
-            # computes every token it missed (a large batch's steps cost what they cost without it).
-            return CatchUp([], *(np.zeros(0, np.int64) for _ in range(5)), None)
+            return None
         sampled = step.rows if step is not None else {}
         states = [target.requests[rid] for rid in so.num_scheduled_tokens]
         capacity = np.fromiter((s.num_blocks for s in states), np.int64, len(states)) * target.block_size
@@ -112,9 +112,8 @@ class DraftModelProposer:
         keep = ends > begins
         states = [s for s, k in zip(states, keep) if k]
         known, ends, capacity, begins, may_get = known[keep], ends[keep], capacity[keep], begins[keep], may_get[keep]
-        certain = may_get <= 1
         if not states:
-            return CatchUp([], known, ends, certain, capacity, np.zeros(0, np.int64), None)
+            return None
         query_lens = ends - begins
         # The argmax at a request's newest token, the first draft: its row is that of its first new
         # token, moved on the device by how many more it got (within what was computed).
@@ -129,7 +128,7 @@ class DraftModelProposer:
         source_tokens = step.device_token_rows.clamp(min=0).view(-1) if sources is not None else None
         tokens = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
                                          logits_indices, sources, source_tokens, offsets)
-        return CatchUp(states, known, ends, certain, capacity, first_rows, tokens)
+        return CatchUp(states, known, ends, may_get <= 1, capacity, first_rows, tokens)
 
     def _within_budget(self, query_lens: np.ndarray) -> np.ndarray:
         """Each request's share of ``query_lens`` that fits the draft's step buffers, in order: after
@@ -166,9 +165,8 @@ class DraftModelProposer:
         return np.concatenate(ids), (np.concatenate(sources) if (ends > known).any() else None)
 
     def propose(self, target: ModelRunner, catch_up: CatchUp, sampled_req_ids: Sequence[str]) -> DeviceDrafts:
-        """The drafts after ``catch_up`` (which computed something), once the step's tokens are on the
-        host: of each request of ``sampled_req_ids``, in that order, on the device (fewer than k
-        where its KV slots end)."""
+        """The drafts after ``catch_up``, once the step's tokens are on the host: of each request of
+        ``sampled_req_ids``, in that order, on the device (fewer than k where its KV slots end)."""
         states, ends = catch_up.states, catch_up.ends
         now_known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
         # Positions past a request's real tokens hold K/V of other tokens: not computed. (A step

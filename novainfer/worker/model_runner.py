@@ -487,8 +487,9 @@ class ModelRunner:
 
     def _runs_as_decode_rows(self, query_lens: np.ndarray, start_pos: np.ndarray) -> bool:
         """Whether a step with several query tokens in some sequence, a few per sequence (a
-        verification of drafts, a short prompt), runs as a decode step of one row per token (see :meth:`_decode_rows`): where a
-        decode graph holds its tokens and the rows re-read little context."""
+        verification of drafts, a short prompt), runs as a decode step of one row per token (see
+        :meth:`_decode_rows`): where a decode graph holds its tokens and the rows re-read little
+        context."""
         if not self.graphs or self.graphs.padded_key("decode", int(query_lens.sum())) is None:
             return False
         return int(((query_lens - 1) * (start_pos + query_lens)).sum()) <= DECODE_ROWS_MAX_EXTRA_KEYS
@@ -749,8 +750,9 @@ class ModelRunner:
 
     def mark_draft_kv_blocks(self, state: CachedRequestState, begin: int, end: int) -> None:
         """Records that the draft computed positions [begin, end) of ``state``: the blocks they fill."""
-        if self.draft_kv_blocks is not None and end // self.block_size > begin // self.block_size:
-            self.draft_kv_blocks[self.block_table_rows[state.row, begin // self.block_size:end // self.block_size]] = True
+        first, last = begin // self.block_size, end // self.block_size
+        if self.draft_kv_blocks is not None and last > first:
+            self.draft_kv_blocks[self.block_table_rows[state.row, first:last]] = True
 
     def _drop_request(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

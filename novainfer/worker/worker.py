@@ -259,12 +259,12 @@ class Worker:
                          scheduler_output.total_num_scheduled_tokens, 1e3 * (time.perf_counter() - started))
         return output
 
-    def _propose_drafts(self, catch_up: CatchUp, outputs: list[ModelRunnerOutput]) -> None:
+    def _propose_drafts(self, catch_up: CatchUp | None, outputs: list[ModelRunnerOutput]) -> None:
         """Runs the draft model's proposal after a step and its catch-up and adds its drafts to the
         step's output, the last of ``outputs`` (none for a step left in flight: nothing is proposed
-        after it)."""
+        after it). Without a catch-up (the draft computed nothing) there are no drafts."""
         sampled = outputs[-1] if outputs else None
-        if not catch_up.states:  # the draft computed nothing (a step above the cut-off): no drafts
+        if catch_up is None:
             self.model_runner.device_drafts = None
             return
         drafts = self.drafter.propose(self.model_runner, catch_up, sampled.req_ids if sampled else [])
