@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreStats
 from novainfer.engine.serial import StepOutputs, core_message_decoder, core_message_encoder
 from novainfer.outputs import StepLogprobs
@@ -34,19 +36,22 @@ STEP = StepLogprobs(2, [33, 4, 31, 4, 32, 31], [-0.1, -2.0, -0.5, -1.5, -0.25, -
 OTHER_STEP = StepLogprobs(2, [34, 34], [-0.3, -0.3], [1])
 
 
+MIXED_STEP = [
+    EngineCoreOutput("decoding", [11]),
+    EngineCoreOutput("first", [12], num_cached_tokens=16, first_scheduled_time=5.5),
+    EngineCoreOutput("speculative", [13, 14, 15]),
+    EngineCoreOutput("eos", [2], finish_reason="stop"),
+    EngineCoreOutput("stop-id", [7, 9], finish_reason="stop", stop_reason=9),
+    EngineCoreOutput("length", [21], finish_reason="length", num_cached_tokens=0, first_scheduled_time=6.0),
+    EngineCoreOutput("logprobs", [31, 32], new_logprobs=(STEP, 1)),
+    EngineCoreOutput("logprobs-too", [33], new_logprobs=(STEP, 0)),
+    EngineCoreOutput("joined-steps", [34], new_logprobs=(OTHER_STEP, 0)),
+    EngineCoreOutput("aborted-empty", [], finish_reason="abort"),
+]
+
+
 def test_a_mixed_step_survives_the_columns_and_the_wire():
-    outputs = [
-        EngineCoreOutput("decoding", [11]),
-        EngineCoreOutput("first", [12], num_cached_tokens=16, first_scheduled_time=5.5),
-        EngineCoreOutput("speculative", [13, 14, 15]),
-        EngineCoreOutput("eos", [2], finish_reason="stop"),
-        EngineCoreOutput("stop-id", [7, 9], finish_reason="stop", stop_reason=9),
-        EngineCoreOutput("length", [21], finish_reason="length", num_cached_tokens=0, first_scheduled_time=6.0),
-        EngineCoreOutput("logprobs", [31, 32], new_logprobs=(STEP, 1)),
-        EngineCoreOutput("logprobs-too", [33], new_logprobs=(STEP, 0)),
-        EngineCoreOutput("joined-steps", [34], new_logprobs=(OTHER_STEP, 0)),
-        EngineCoreOutput("aborted-empty", [], finish_reason="abort"),
-    ]
+    outputs = MIXED_STEP
     stats = EngineCoreStats(num_running_reqs=3, num_steps=7)
     columns = EngineCoreOutputs.from_outputs(outputs, stats, 123.5)
     assert columns.logprobs_blocks == [STEP, OTHER_STEP]  # each block once, however many requests use it
@@ -58,3 +63,14 @@ def test_a_mixed_step_survives_the_columns_and_the_wire():
 def test_an_empty_step_is_an_empty_message():
     message = _through_wire(EngineCoreOutputs.from_outputs([], None, 1.0))
     assert _rows(message) == [] and message.stats is None and message.timestamp == 1.0
+
+
+@pytest.mark.parametrize("keep", [[], [0], [2, 3, 8], [6, 7], [1, 4, 5, 9], list(range(len(MIXED_STEP)))])
+def test_a_subset_of_a_step_is_the_message_of_those_requests_alone(keep):
+    """What one of several front-ends gets: the same as columns built from its requests' outputs."""
+    stats = EngineCoreStats(num_running_reqs=3)
+    subset = _through_wire(EngineCoreOutputs.from_outputs(MIXED_STEP, stats, 2.0).subset(keep))
+    assert _rows(subset) == [MIXED_STEP[i] for i in keep]
+    assert subset.logprobs_blocks == EngineCoreOutputs.from_outputs([MIXED_STEP[i] for i in keep], None,
+                                                                    0.0).logprobs_blocks
+    assert subset.stats == stats and subset.timestamp == 2.0

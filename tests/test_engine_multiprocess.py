@@ -1,10 +1,11 @@
 """``LLM(..., multiprocess=True)``: the engine core in a process of its own under the offline API
 gives the same outputs as the in-process engine (the default), empties its prefix cache when
 asked, and its process ends with ``shutdown`` or, for a script that never calls it, when the
-script exits."""
+script exits. One engine-core process also serves several front-ends at once."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import subprocess
@@ -14,7 +15,11 @@ import textwrap
 import pytest
 
 from novainfer import LLM, SamplingParams
+from novainfer.engine.arg_utils import EngineArgs
+from novainfer.engine.async_llm_engine import AsyncLLMEngine
 from novainfer.engine.core import EngineCore
+from novainfer.engine.core_client import CoreHandle, EngineDeadError
+from novainfer.engine.core_proc import start_core_process
 from tests.utils import tiny_model
 
 KV_BYTES = 8 << 20
@@ -104,3 +109,66 @@ def test_dropped_llm_stops_its_core_process():
     gc.collect()
     process.join(30)
     assert not process.is_alive()
+
+
+def test_one_engine_core_serves_several_front_ends(tmp_path):
+    """Two front-ends attached to one engine-core process (as ``--api-server-count 2`` runs it):
+    each gets exactly its own requests' outputs, equal to the in-process engine's; an abort on
+    one leaves the other's requests running; once the core dies both fail promptly."""
+    prompts = [f"front-end {i % 2}, request {i}: {'xyz' * (1 + i % 3)}" for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(8)]
+    local = LLM(str(tiny_model()), kv_cache_memory_bytes=KV_BYTES)
+    try:
+        expected = [o.outputs[0].token_ids for o in local.generate(prompts, params, use_tqdm=False)]
+    finally:
+        local.shutdown()
+    config = EngineArgs(model=str(tiny_model()), kv_cache_memory_bytes=KV_BYTES).create_engine_config()
+    channels = [(f"ipc://{tmp_path / f'in{i}'}", f"ipc://{tmp_path / f'out{i}'}") for i in range(2)]
+    process = start_core_process(config, channels, "shared", log_stats_interval=5.0)
+
+    async def collect(engine: AsyncLLMEngine, prompt: str, p: SamplingParams) -> list[int]:
+        tokens = []
+        async for output in engine.generate(prompt, p):
+            tokens += output.outputs[0].delta_token_ids
+        return tokens
+
+    received: list[set[str]] = [set(), set()]  # the request ids in the messages each front-end got
+
+    def record(step_outputs, ids: set[str]):
+        def recording(message):
+            outputs = step_outputs(message)
+            ids.update(outputs.request_ids)
+            return outputs
+        return recording
+
+    async def serve_both() -> tuple[list[list[int]], list[bool]]:
+        engines = [AsyncLLMEngine.attach(CoreHandle(config, channel, process.pid), f"front-end {i}")
+                   for i, channel in enumerate(channels)]
+        for engine, ids in zip(engines, received):
+            engine.core._step_outputs = record(engine.core._step_outputs, ids)
+        aborted = await engines[0].add_request("aborted", "Aborted early",
+                                               SamplingParams(max_tokens=500, ignore_eos=True))
+        got = asyncio.gather(*(collect(engines[i % 2], prompt, p)
+                               for i, (prompt, p) in enumerate(zip(prompts, params))))
+        await aborted.__aiter__().__anext__()
+        aborted.abort()
+        results = await got
+        process.kill()
+        process.join()  # reaped, as the supervisor does: the pid is gone
+        failures = []
+        for engine in engines:
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(collect(engine, "after the core died", params[0]), timeout=5)
+            failures.append(engine.is_healthy)
+            engine.shutdown()
+        return results, failures
+
+    try:
+        results, healthy = asyncio.run(serve_both())
+    finally:
+        process.kill()
+        process.join()
+    assert results == expected
+    assert healthy == [False, False]
+    assert "aborted" in received[0] and len(received[0]) == 5 and len(received[1]) == 4
+    assert not received[0] & received[1]

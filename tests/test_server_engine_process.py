@@ -1,15 +1,17 @@
-"""The server's two-process layout, live: the API server process and its engine-core process.
+"""The server's process layouts, live: one API server process and its engine-core process, and two
+API server processes (``--api-server-count 2``) sharing the port and the engine core.
 
-One server of the tiny model serves the equality tests (many concurrent streams, a mixed batch,
-each against an offline ``LLM`` as the oracle) and is then stopped with SIGTERM, which must leave
-no child process behind. A second server, with paced steps so that its streams are still running,
-has its engine-core process killed with SIGKILL mid-stream.
+For each layout, one server of the tiny model serves the equality tests (many concurrent streams, a
+mixed batch, each against an offline ``LLM`` as the oracle) and is then stopped with SIGTERM, which
+must leave no child process behind. A second server, with paced steps so that its streams are still
+running, has its engine-core process killed with SIGKILL mid-stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -26,9 +28,17 @@ from tests.utils import tiny_model
 KV_BYTES = 16 << 20
 
 
+SERVER_ARGS = [str(tiny_model()), "--served-model-name", "tiny", "--kv-cache-memory-bytes", str(KV_BYTES)]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_api_server", "two_api_servers"])
+def api_server_count(request) -> int:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server():
-    yield from serve([str(tiny_model()), "--served-model-name", "tiny", "--kv-cache-memory-bytes", str(KV_BYTES)])
+def server(api_server_count):
+    yield from serve([*SERVER_ARGS, "--api-server-count", str(api_server_count)])
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +73,23 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def engine_core_pid(server_pid: int) -> int:
-    """The engine-core process: the server's spawned child (not multiprocessing's resource tracker)."""
-    cores = [pid for pid in descendants(server_pid)
+def engine_core_pid(server) -> int:
+    """The engine-core process: below one API server process, its spawned child (not
+    multiprocessing's resource tracker); below several, the one their supervisor names."""
+    if "--api-server-count 1" not in " ".join(server.args):
+        cores = [int(pid) for pid in re.findall(r"engine core of model 'tiny' started \(pid (\d+)\)", server.log())]
+        assert len(cores) == 1, f"expected the supervisor to name one engine core, got {cores}:\n{server.log()}"
+        return cores[0]
+    cores = [pid for pid in descendants(server.proc.pid)
              if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
              and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(cores) == 1, f"expected one engine-core process below {server_pid}, found {cores}"
+    assert len(cores) == 1, f"expected one engine-core process below {server.proc.pid}, found {cores}"
     return cores[0]
 
 
 def test_the_engine_core_runs_in_a_process_of_its_own(server):
-    core = engine_core_pid(server.proc.pid)
-    assert core != server.proc.pid and alive(core)
+    core = engine_core_pid(server)
+    assert core != server.proc.pid and core in descendants(server.proc.pid) and alive(core)
 
 
 def test_64_concurrent_streams_each_equal_their_offline_output(server, offline):
@@ -163,6 +178,29 @@ def test_mixed_batch_served_equals_offline_byte_for_byte(server, offline, stream
     assert expected[2].outputs[0].finish_reason == "stop"  # the stop string did end it
 
 
+def test_sessions_and_metrics_are_the_same_whichever_process_answers(server):
+    """Each request on a new connection, which any API server process may accept: a session's turns
+    all see its history, and a scrape counts every request."""
+    base = server.base_url
+
+    def ttft_count() -> float:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        return metric_value(text, "novainfer:time_to_first_token_seconds_count", model_name="tiny") or 0.0
+
+    before = ttft_count()
+    session = httpx.post(f"{base}/v1/sessions", json={"model": "tiny"}, timeout=10).json()["id"]
+    turns = 6
+    for turn in range(turns):
+        response = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "session_id": session, "max_tokens": 3, "temperature": 0,
+            "messages": [{"role": "user", "content": f"turn {turn}"}]})
+        assert response.status_code == 200, response.text
+    messages = httpx.get(f"{base}/v1/sessions/{session}", timeout=10).json()["messages"]
+    assert [m["content"] for m in messages if m["role"] == "user"] == [f"turn {t}" for t in range(turns)]
+    assert len(messages) == 2 * turns
+    assert ttft_count() - before == turns
+
+
 def test_sigterm_of_the_server_leaves_no_child_process(server):
     children = descendants(server.proc.pid)
     assert children, "the server has no engine-core process"
@@ -176,9 +214,8 @@ def test_sigterm_of_the_server_leaves_no_child_process(server):
 
 # ---- the engine core killed mid-stream --------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def paced_server():
-    yield from serve([str(tiny_model()), "--served-model-name", "tiny", "--kv-cache-memory-bytes", str(KV_BYTES)],
-                     env=PACED_STEPS)
+def paced_server(api_server_count):
+    yield from serve([*SERVER_ARGS, "--api-server-count", str(api_server_count)], env=PACED_STEPS)
 
 
 class Stream(threading.Thread):
@@ -208,7 +245,7 @@ def test_killed_engine_core_fails_requests_and_the_server_stays_up(paced_server)
         daemon=True)
     blocking.start()
     assert all(s.first.wait(60) for s in streams)
-    os.kill(engine_core_pid(paced_server.proc.pid), signal.SIGKILL)
+    os.kill(engine_core_pid(paced_server), signal.SIGKILL)
     for stream in streams:
         stream.join(30)
         assert not stream.is_alive(), "a stream hangs after its engine core died"
@@ -218,8 +255,9 @@ def test_killed_engine_core_fails_requests_and_the_server_stays_up(paced_server)
     blocking.join(30)
     response = plain["response"]
     assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
-    health = httpx.get(f"{base}/health", timeout=10)
-    assert health.status_code == 503 and "'tiny'" in health.json()["error"]["message"]
+    for _ in range(4):  # each on a new connection: with several API server processes, each says so
+        health = httpx.get(f"{base}/health", timeout=10)
+        assert health.status_code == 503 and "'tiny'" in health.json()["error"]["message"]
     # The server itself still answers at once, and refuses new work for the dead model.
     assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
     assert metric_value(httpx.get(f"{base}/metrics", timeout=10).text, "novainfer:engine_alive",

@@ -12,6 +12,7 @@ lists whatever its batch, cheap to encode, to decode and for the collector to ig
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgspec
@@ -124,3 +125,26 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
                    logprobs_block_index=block_index,
                    logprobs_rows=[outputs[i].new_logprobs[1] for i in with_logprobs],
                    stats=stats, timestamp=timestamp)
+
+    def subset(self, keep: list[int]) -> EngineCoreOutputs:
+        """The outputs of requests ``keep`` (ascending indices into ``request_ids``) as a message of
+        their own, with this step's stats and timestamp: what one of several front-ends gets."""
+        starts = list(itertools.accumulate(self.num_new_tokens, initial=0))
+        new_index = {old: new for new, old in enumerate(keep)}
+        finished = [(new_index[i], reason, stop) for i, reason, stop in
+                    zip(self.finished, self.finish_reasons, self.stop_reasons) if i in new_index]
+        started = [(new_index[i], cached, when) for i, cached, when in
+                   zip(self.started, self.num_cached_tokens, self.first_scheduled_times) if i in new_index]
+        with_logprobs = [(new_index[i], block, row) for i, block, row in
+                         zip(self.with_logprobs, self.logprobs_block_index, self.logprobs_rows) if i in new_index]
+        blocks: dict[int, int] = {}  # index of a block here -> its index in the subset
+        block_index = [blocks.setdefault(block, len(blocks)) for _, block, _ in with_logprobs]
+        return EngineCoreOutputs(
+            request_ids=[self.request_ids[i] for i in keep], num_new_tokens=[self.num_new_tokens[i] for i in keep],
+            token_ids=[t for i in keep for t in self.token_ids[starts[i]:starts[i + 1]]],
+            finished=[f[0] for f in finished], finish_reasons=[f[1] for f in finished],
+            stop_reasons=[f[2] for f in finished], started=[s[0] for s in started],
+            num_cached_tokens=[s[1] for s in started], first_scheduled_times=[s[2] for s in started],
+            with_logprobs=[w[0] for w in with_logprobs], logprobs_blocks=[self.logprobs_blocks[b] for b in blocks],
+            logprobs_block_index=block_index, logprobs_rows=[w[2] for w in with_logprobs],
+            stats=self.stats, timestamp=self.timestamp)

@@ -32,7 +32,7 @@ from novainfer.config import EngineConfig
 from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.engine.core import freeze_startup_objects
-from novainfer.engine.core_client import CoreClient, EngineDeadError
+from novainfer.engine.core_client import CoreClient, CoreHandle, EngineDeadError
 from novainfer.engine.core_proc import MIN_STEP_S_ENV, TEST_STALL_FILE_ENV
 from novainfer.engine.llm_engine import EngineStats
 from novainfer.engine.output_processor import OutputProcessor
@@ -129,11 +129,11 @@ class AsyncLLMEngine:
     but ``shutdown`` and the read-only properties are called from the event loop's thread."""
 
     def __init__(self, config: EngineConfig, name: str = "engine", log_stats_interval: float = 5.0,
-                 multiprocess: bool = True) -> None:
+                 multiprocess: bool = True, attached: CoreHandle | None = None) -> None:
         self.name = name
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(self.model_config.tokenizer)
-        self.core = CoreClient(config, log_stats_interval, name, in_thread=not multiprocess)
+        self.core = CoreClient(config, log_stats_interval, name, in_thread=not multiprocess, attached=attached)
         self.processor = InputProcessor(self.model_config, self.tokenizer, self.core.info.kv_capacity)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}
@@ -153,6 +153,11 @@ class AsyncLLMEngine:
         """Starts the engine core (loading the model) and waits until it is ready."""
         return cls(args.create_engine_config(), name=name, log_stats_interval=args.log_stats_interval,
                    multiprocess=multiprocess)
+
+    @classmethod
+    def attach(cls, core: CoreHandle, name: str = "engine") -> AsyncLLMEngine:
+        """Serves a core started by another process (see ``CoreHandle``); waits until it is ready."""
+        return cls(core.config, name=name, attached=core)
 
     @property
     def engine_core(self):

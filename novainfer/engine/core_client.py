@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import threading
@@ -19,6 +20,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -26,6 +28,7 @@ import zmq
 from novainfer.config import EngineConfig
 from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from novainfer.engine.core import EngineCore, EngineCoreInfo
+from novainfer.engine.core_proc import Channel, start_core_process, start_core_thread
 from novainfer.engine.serial import CoreFailed, CoreReady, InputEncoder, PrefixCacheReset, StepOutputs, \
     core_message_decoder
 
@@ -69,29 +72,53 @@ def _stop_process(process: multiprocessing.process.BaseProcess) -> None:
             process.join(_STOP_GRACE_S)
 
 
+def _pid_exists(pid: int) -> bool:
+    """Whether a process of this id exists (a core whose parent is another process: that parent
+    reaps it as soon as it dies, so a dead one does not linger as a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        pass
+    return True
+
+
+@dataclass(frozen=True)
+class CoreHandle:
+    """An engine core started by another process (the supervisor of several API server processes)
+    that connects to ``channel``, which the client attached to it binds."""
+
+    config: EngineConfig
+    channel: Channel
+    pid: int
+
+
 class CoreClient:
     """Starts an engine core and talks to it. ``in_thread`` runs the core in this process (its
-    ``engine_core`` is then reachable here); otherwise it runs in a spawned process."""
+    ``engine_core`` is then reachable here); otherwise it runs in a spawned process, or, with
+    ``attached``, it is a core started elsewhere, which this client neither starts nor stops."""
 
     def __init__(self, config: EngineConfig, log_stats_interval: float = 5.0, name: str = "engine",
-                 in_thread: bool = False) -> None:
+                 in_thread: bool = False, attached: CoreHandle | None = None) -> None:
         self.name = name
-        self._dir = tempfile.mkdtemp(prefix="novainfer-core-")
+        self._dir = None if attached is not None else tempfile.mkdtemp(prefix="novainfer-core-")
+        channel = attached.channel if attached is not None else \
+            (f"ipc://{Path(self._dir) / 'input'}", f"ipc://{Path(self._dir) / 'output'}")
         self._context = zmq.Context()
-        input_address = f"ipc://{Path(self._dir) / 'input'}"
-        output_address = f"ipc://{Path(self._dir) / 'output'}"
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.setsockopt(zmq.SNDHWM, 0)  # never block on a full queue: the core drains it
-        self._input.bind(input_address)
+        self._input.bind(channel[0])
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(output_address)
+        self._output.bind(channel[1])
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._encoder = InputEncoder()
         self._send_lock = threading.Lock()  # sends may come from any thread; the socket is not thread-safe
         self.engine_core: EngineCore | None = None
+        self._attached_pid = attached.pid if attached is not None else None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._exit_handler: Callable[[], None] | None = None
         self._finalizer: weakref.finalize | None = None
@@ -102,20 +129,11 @@ class CoreClient:
         self._closed = False
         try:
             if in_thread:
-                from novainfer.engine.core_proc import start_core_thread
-
                 self.engine_core = EngineCore(config, log_stats_interval=log_stats_interval)
-                self._thread, self._loop = start_core_thread(self.engine_core, input_address, output_address, name)
-            else:
-                from novainfer.engine.core_proc import run_engine_core
-
-                log_level = logging.getLogger("novainfer").getEffectiveLevel()
-                # Not a daemon: the core's own ``mp`` workers are its children. shutdown() stops it,
-                # at the latest when this process exits.
-                self._process = multiprocessing.get_context("spawn").Process(
-                    target=run_engine_core, name=f"novainfer-core-{name}", daemon=False,
-                    args=(config, input_address, output_address, log_level, log_stats_interval))
-                self._process.start()
+                self._thread, self._loop = start_core_thread(self.engine_core, channel, name)
+            elif attached is None:
+                # shutdown() stops it, at the latest when this process exits.
+                self._process = start_core_process(config, [channel], name, log_stats_interval)
                 self._exit_handler = _shutdown_at_exit(self)
                 atexit.register(self._exit_handler)
                 self._finalizer = weakref.finalize(self, _stop_process, self._process)
@@ -127,7 +145,7 @@ class CoreClient:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        return self._process.pid if self._process is not None else self._attached_pid
 
     def _wait_ready(self) -> EngineCoreInfo:
         message = self._receive(timeout_s=None)
@@ -160,6 +178,8 @@ class CoreClient:
     def is_alive(self) -> bool:
         if self.dead_error is not None:
             return False
+        if self._attached_pid is not None:
+            return _pid_exists(self._attached_pid)
         runner = self._process if self._process is not None else self._thread
         return runner is not None and runner.is_alive()
 
@@ -233,6 +253,8 @@ class CoreClient:
             code = self._process.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             return f"process (pid {self._process.pid}) died ({how})"
+        if self._attached_pid is not None:
+            return f"process (pid {self._attached_pid}) died"
         return "thread stopped"
 
     def _die(self, description: str) -> None:
@@ -256,11 +278,12 @@ class CoreClient:
             atexit.unregister(self._exit_handler)
         if self._finalizer is not None:
             self._finalizer.detach()
-        try:
-            with self._send_lock:
-                self._input.send(self._encoder.shutdown(), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        if self._attached_pid is None:  # an attached core serves other clients too: its starter stops it
+            try:
+                with self._send_lock:
+                    self._input.send(self._encoder.shutdown(), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         if self._process is not None and self._process.pid is not None:
             self._process.join(_STOP_GRACE_S)
             if self._process.is_alive():
@@ -280,7 +303,8 @@ class CoreClient:
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class SyncMPClient(CoreClient):

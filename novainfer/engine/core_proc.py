@@ -10,6 +10,7 @@ front-end fails its requests with the cause instead of waiting.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -41,19 +42,45 @@ TEST_STALL_FILE_ENV = "NOVAINFER_TEST_STALL_FILE"
 
 
 class EngineCoreLoop:
-    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+    """Serves one core to one or more front-ends, each joined by its own pair of sockets
+    (``novainfer serve --api-server-count N``: one pair per API server process). A request's
+    outputs go to the front-end that added it; every front-end gets every step's stats."""
+
+    def __init__(self, core: EngineCore, channels: list[tuple[zmq.Socket, zmq.Socket]]) -> None:
         self.core = core
-        self.input = input_socket
-        self.output = output_socket
+        self.inputs = [channel[0] for channel in channels]
+        self.outputs = [channel[1] for channel in channels]
         self.decoder = InputDecoder()
         self.poller = zmq.Poller()
-        self.poller.register(input_socket, zmq.POLLIN)
+        for input_socket in self.inputs:
+            self.poller.register(input_socket, zmq.POLLIN)
+        # With several front-ends: which one added each unfinished request.
+        self._front_end_of: dict[str, int] = {}
         self.failure: BaseException | None = None  # what ended the loop, if a step raised
         self._stall_file = os.environ.get(TEST_STALL_FILE_ENV)
         self._min_step_s = float(os.environ.get(MIN_STEP_S_ENV) or 0.0)
 
-    def send(self, message) -> None:
-        self.output.send(core_message_encoder.encode(message), copy=False)
+    def send(self, message, front_end: int | None = None) -> None:
+        """Sends ``message`` to one front-end, or to every one."""
+        frame = core_message_encoder.encode(message)
+        for output in self.outputs if front_end is None else [self.outputs[front_end]]:
+            output.send(frame, copy=False)
+
+    def send_step(self, outputs: EngineCoreOutputs) -> None:
+        """One message per front-end: the outputs of its own requests, and the step's stats."""
+        if len(self.outputs) == 1:
+            self.send(StepOutputs(outputs))
+            return
+        owner = self._front_end_of
+        keep: list[list[int]] = [[] for _ in self.outputs]
+        for i, request_id in enumerate(outputs.request_ids):
+            front_end = owner.get(request_id)
+            if front_end is not None:  # None: aborted by its front-end, which no longer waits for it
+                keep[front_end].append(i)
+        for i in outputs.finished:
+            owner.pop(outputs.request_ids[i], None)
+        for front_end, indices in enumerate(keep):
+            self.send(StepOutputs(outputs.subset(indices)), front_end)
 
     def run(self) -> None:
         """Serves until Shutdown; a failure is sent as CoreFailed, then raised."""
@@ -83,7 +110,7 @@ class EngineCoreLoop:
             outputs = core.step()
             if self._min_step_s:
                 time.sleep(max(0.0, started + self._min_step_s - time.monotonic()))
-            self.send(StepOutputs(outputs))
+            self.send_step(outputs)
             if core.stats.num_steps == steps_before and not outputs.request_ids:
                 # Nothing could be scheduled (e.g. the KV cache is full): wait a little, not spin.
                 if self._receive(_STALL_POLL_MS) is None:
@@ -95,38 +122,62 @@ class EngineCoreLoop:
         count = 0
         if not self.poller.poll(timeout_ms):
             return 0
-        while True:
-            try:
-                frame = self.input.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return count
-            message = self.decoder.decode(frame.buffer)
-            count += 1
-            if isinstance(message, AddRequests):
-                self.core.add_requests(message.requests)
-            elif isinstance(message, AbortRequests):
-                self.core.abort_requests(message.request_ids)
-            elif isinstance(message, ResetPrefixCache):
-                self.send(PrefixCacheReset(self.core.reset_prefix_cache()))
-            elif isinstance(message, Shutdown):
-                return None
+        for front_end, input_socket in enumerate(self.inputs):
+            while True:
+                try:
+                    frame = input_socket.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                count += 1
+                if not self._handle(self.decoder.decode(frame.buffer), front_end):
+                    return None
+        return count
+
+    def _handle(self, message: AddRequests | AbortRequests | ResetPrefixCache | Shutdown, front_end: int) -> bool:
+        """Applies one message from ``front_end``; False for Shutdown."""
+        if isinstance(message, AddRequests):
+            self.core.add_requests(message.requests)
+            if len(self.inputs) > 1:
+                self._front_end_of.update((r.request_id, front_end) for r in message.requests)
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+            for request_id in message.request_ids:
+                self._front_end_of.pop(request_id, None)
+        elif isinstance(message, ResetPrefixCache):
+            self.send(PrefixCacheReset(self.core.reset_prefix_cache()), front_end)
+        elif isinstance(message, Shutdown):
+            return False
+        return True
 
     def _wait_while_test_stalled(self) -> None:
         while self._stall_file is not None and os.path.exists(self._stall_file):
             time.sleep(0.05)
 
 
-def connect(context: zmq.Context, input_address: str, output_address: str) -> tuple[zmq.Socket, zmq.Socket]:
-    """The core's ends of the two sockets (the front-end binds them)."""
-    input_socket = context.socket(zmq.PULL)
-    input_socket.connect(input_address)
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(output_address)
-    return input_socket, output_socket
+Channel = tuple[str, str]  # the (input, output) addresses a front-end binds
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: int,
+def connect(context: zmq.Context, channels: list[Channel]) -> list[tuple[zmq.Socket, zmq.Socket]]:
+    """The core's ends of each front-end's two sockets (the front-ends bind them; a front-end that
+    binds later still gets what was sent before: a connecting socket queues it)."""
+    sockets = []
+    for input_address, output_address in channels:
+        input_socket = context.socket(zmq.PULL)
+        input_socket.connect(input_address)
+        output_socket = context.socket(zmq.PUSH)
+        output_socket.setsockopt(zmq.LINGER, 2000)
+        output_socket.connect(output_address)
+        sockets.append((input_socket, output_socket))
+    return sockets
+
+
+def _close(sockets: list[tuple[zmq.Socket, zmq.Socket]], output_linger_ms: int | None) -> None:
+    for input_socket, output_socket in sockets:
+        input_socket.close(linger=0)
+        output_socket.close(linger=output_linger_ms)
+
+
+def run_engine_core(config: EngineConfig, channels: list[Channel], log_level: int,
                     log_stats_interval: float) -> None:
     """The engine-core process: builds the core, says it is ready, serves until told to stop."""
     from novainfer.executor.multiproc_executor import configure_worker_logging, exit_with_parent
@@ -137,35 +188,46 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     configure_worker_logging("engine core", log_level)
     context = zmq.Context()
-    input_socket, output_socket = connect(context, input_address, output_address)
+    sockets = connect(context, channels)
     try:
         try:
             core = EngineCore(config, log_stats_interval=log_stats_interval)
         except BaseException as exc:
             logger.exception("engine core: start-up failed")
-            output_socket.send(core_message_encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}",
-                                                                      traceback.format_exc())))
+            failed = core_message_encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            for _, output_socket in sockets:
+                output_socket.send(failed)
             raise SystemExit(1) from None
         freeze_startup_objects()
-        loop = EngineCoreLoop(core, input_socket, output_socket)
+        loop = EngineCoreLoop(core, sockets)
         loop.send(CoreReady(core.info))
         try:
             loop.run()
         finally:
             core.shutdown()
     finally:
-        input_socket.close(linger=0)
-        output_socket.close()
+        _close(sockets, None)
         context.term()
 
 
-def start_core_thread(core: EngineCore, input_address: str, output_address: str,
-                      name: str) -> tuple[threading.Thread, EngineCoreLoop]:
+def start_core_process(config: EngineConfig, channels: list[Channel], name: str,
+                       log_stats_interval: float) -> multiprocessing.process.BaseProcess:
+    """Spawns an engine-core process serving the front-ends of ``channels``. Not a daemon: the
+    core's own ``mp`` workers are its children; whoever starts it stops it."""
+    log_level = logging.getLogger("novainfer").getEffectiveLevel()
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, name=f"novainfer-core-{name}", daemon=False,
+        args=(config, channels, log_level, log_stats_interval))
+    process.start()
+    return process
+
+
+def start_core_thread(core: EngineCore, channel: Channel, name: str) -> tuple[threading.Thread, EngineCoreLoop]:
     """Runs the loop of an already built core in a daemon thread of this process (with a ZMQ
     context of its own, so that the caller's can be closed even if this thread hangs)."""
     context = zmq.Context()
-    input_socket, output_socket = connect(context, input_address, output_address)
-    loop = EngineCoreLoop(core, input_socket, output_socket)
+    sockets = connect(context, [channel])
+    loop = EngineCoreLoop(core, sockets)
     loop.send(CoreReady(core.info))
 
     def run() -> None:
@@ -174,8 +236,7 @@ def start_core_thread(core: EngineCore, input_address: str, output_address: str,
         except BaseException:  # noqa: BLE001 - already logged and sent by the loop
             pass
         finally:
-            input_socket.close(linger=0)
-            output_socket.close(linger=0)
+            _close(sockets, 0)
             context.term()
 
     thread = threading.Thread(target=run, name=f"novainfer-engine-{name}", daemon=True)

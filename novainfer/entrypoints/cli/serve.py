@@ -26,6 +26,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                             "default: the MODEL argument as given, or a built-in model's own name)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="HTTP server processes sharing the port and each model's engine core (raise it when one "
+                            "process's CPU, not the engine, limits streamed tokens per second)")
     auth = serve.add_argument_group("authentication and network edge")
     auth.add_argument("--api-key", action="append", default=[], metavar="KEY",
                       help=f"accept 'Authorization: Bearer KEY' (repeatable: each key is its own client); with a "
@@ -94,7 +97,7 @@ def server_config_from(ns: argparse.Namespace):
                         max_body_bytes=ns.max_body_bytes, request_timeout_s=ns.request_timeout,
                         allowed_hosts=ns.allowed_hosts, allowed_origins=ns.allowed_origins,
                         enable_docs=ns.enable_docs, engine_stall_timeout_s=ns.engine_stall_timeout,
-                        uvicorn_log_level=ns.uvicorn_log_level, webui=ns.webui)
+                        uvicorn_log_level=ns.uvicorn_log_level, webui=ns.webui, api_server_count=ns.api_server_count)
 
 
 def api_keys_from(ns: argparse.Namespace) -> list[str]:
@@ -112,8 +115,10 @@ def api_keys_from(ns: argparse.Namespace) -> list[str]:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from novainfer.entrypoints.openai.api_server import run_server
+    from novainfer.entrypoints.openai.multi_server import run_api_servers
 
     if ns.log_level.upper() == "WARNING":  # the global default: a server still logs its requests and start-up
         for name in ("novainfer.entrypoints.openai", "novainfer.engine.async_llm_engine"):
             logging.getLogger(name).setLevel(logging.INFO)
-    return run_server(server_config_from(ns))
+    config = server_config_from(ns)
+    return run_server(config) if config.api_server_count == 1 else run_api_servers(config)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 
 import anyio
@@ -37,7 +38,7 @@ from novainfer.entrypoints.openai.served_models import ModelRegistry
 from novainfer.entrypoints.openai.serving_chat import ChatHandler, messages_chars, plain_messages, tokenize_chat
 from novainfer.entrypoints.openai.serving_common import ServerContext, check_before_tokenizing, principal_of
 from novainfer.entrypoints.openai.serving_completion import CompletionHandler
-from novainfer.entrypoints.openai.sessions import Session, SessionStore
+from novainfer.entrypoints.openai.sessions import RemoteSessionStore, Session, SessionStore
 from novainfer.entrypoints.openai.webui import mount_webui
 
 logger = logging.getLogger(__name__)
@@ -196,7 +197,8 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
         raise ValueError("build_app needs a ServerConfig or a ModelRegistry")
     config = config or ServerConfig(models=registry.specs)
     owns_registry = registry is None
-    registry = registry or ModelRegistry(config.models)
+    shared = config.shared
+    registry = registry or ModelRegistry(config.models, cores=shared.cores if shared is not None else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -214,10 +216,15 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
     registry.stall_timeout_s = config.engine_stall_timeout_s
     docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None}
     app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan, **docs)
-    app.state.ctx = ServerContext(models=registry, admission=AdmissionController(config.limits),
-                                  metrics=ServerMetrics(registry.stats, registry.alive),
-                                  sessions=SessionStore(config.max_sessions, config.session_ttl_s),
-                                  log_requests=config.log_requests)
+    if shared is None:
+        metrics = ServerMetrics(registry.stats, registry.alive)
+        sessions = SessionStore(config.max_sessions, config.session_ttl_s)
+    else:  # one of several API server processes: summed metrics, the supervisor's sessions
+        metrics = ServerMetrics(registry.stats, registry.alive, shared_dir=shared.metrics_dir,
+                                process_index=shared.index)
+        sessions = RemoteSessionStore(shared.session_address)
+    app.state.ctx = ServerContext(models=registry, admission=AdmissionController(config.limits), metrics=metrics,
+                                  sessions=sessions, log_requests=config.log_requests)
     app.state.config = config
     install_exception_handlers(app)
     app.include_router(_routes())
@@ -243,8 +250,9 @@ def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
     app.add_middleware(RequestIdMiddleware)
 
 
-def run_server(config: ServerConfig) -> int:
-    """Serves until interrupted; returns a process exit code (1 if the models failed to load)."""
+def run_server(config: ServerConfig, sockets: list[socket.socket] | None = None) -> int:
+    """Serves until interrupted; returns a process exit code (1 if the models failed to load).
+    ``sockets``: already bound listening sockets to serve (one of several API server processes)."""
     import uvicorn
 
     failure: list[str] = []
@@ -268,12 +276,14 @@ def run_server(config: ServerConfig) -> int:
     server = uvicorn.Server(uv_config)
     server_ref.append(server)
     names = ", ".join(s.name for s in config.models)
-    logger.info("serving %s on http://%s:%d (loading models in the background); %s; Host allowed: %s", names,
-                config.host, config.port,
-                f"{len(config.api_keys)} API key(s) required" if config.api_keys else "no API key required",
-                ", ".join(config.allowed_hosts) if config.allowed_hosts is not None else "any")
+    # Several API server processes: the supervisor says it once.
+    logger.log(logging.INFO if config.shared is None else logging.DEBUG,
+               "serving %s on http://%s:%d (loading models in the background); %s; Host allowed: %s", names,
+               config.host, config.port,
+               f"{len(config.api_keys)} API key(s) required" if config.api_keys else "no API key required",
+               ", ".join(config.allowed_hosts) if config.allowed_hosts is not None else "any")
     try:
-        server.run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown
         pass
     if failure:

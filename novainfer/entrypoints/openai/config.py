@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from novainfer.engine.core_client import CoreHandle
 from novainfer.entrypoints.openai.admission import AdmissionLimits
 from novainfer.entrypoints.openai.middleware import default_allowed_hosts
 from novainfer.entrypoints.openai.served_models import ModelSpec
+
+
+@dataclass(frozen=True)
+class SharedServing:
+    """What one of several API server processes (``api_server_count`` > 1) shares with the others;
+    the supervisor process sets it (see ``novainfer.entrypoints.openai.multi_server``)."""
+
+    index: int  # of this process, from 0
+    count: int
+    cores: dict[str, CoreHandle]  # per served model: the engine core this process attaches to
+    metrics_dir: str  # where each process keeps its metrics, summed at a scrape
+    session_address: str  # the supervisor's session service (a ZMQ address)
 
 
 @dataclass
@@ -31,6 +44,9 @@ class ServerConfig:
     uvicorn_log_level: str = "warning"
     graceful_shutdown_s: float = 5.0
     webui: bool = True  # serve the chat Web UI at /
+    # API server processes in front of the engine cores (1: this process serves HTTP itself).
+    api_server_count: int = 1
+    shared: SharedServing | None = None  # set in each of several API server processes
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -46,6 +62,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if not self.session_ttl_s > 0:

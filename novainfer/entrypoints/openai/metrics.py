@@ -4,19 +4,27 @@ Gauges and counters owned by the engine (running/waiting requests, KV usage, tok
 cache totals, finished requests by reason) are read from each engine's stats snapshot when
 ``/metrics`` is scraped, by :class:`EngineStatsCollector`. Per-request latencies are histograms
 fed by :class:`RequestTracker`, from the engine's own timestamps. Every app gets its own
-``CollectorRegistry``, so several apps (tests) in one process never clash.
+``CollectorRegistry``, so several apps (tests) in one process never clash. The server-side metrics
+(latencies, rejections) keep their values in memory maps; with several API server processes, in one
+file per process in a directory they share, and every scrape sums them all.
 """
 
 from __future__ import annotations
 
 import bisect
+import fcntl
+import glob
 import itertools
 import json
 import logging
+import mmap
+import os
+import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import BinaryIO
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -93,49 +101,239 @@ class EngineStatsCollector(Collector):
         yield finished
 
 
-class LatencyHistogram(Collector):
+_U64 = struct.Struct("=Q")
+_HEADER_SIZE = 2 * _U64.size  # bytes used (published last), then values per row
+
+
+def _padded(length: int) -> int:
+    """``length`` rounded up to whole 8-byte words, which keeps every row's values aligned."""
+    return (length + 7) & ~7
+
+
+def _open_alone(path: str) -> BinaryIO:
+    """``path``, created if new and locked for as long as it stays open: two writers of one file would
+    overwrite each other's rows."""
+    file = open(path, "a+b")
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        raise RuntimeError(f"{path} is already written by another ServerMetrics: is its process_index "
+                           f"given to two API server processes?") from None
+    return file
+
+
+def _published_rows(data: bytes | mmap.mmap, width: int, where: str) -> Iterator[tuple[tuple[str, ...], int]]:
+    """Each row's label values and the byte offset of its values, of the rows published in ``data`` (the
+    layout of :class:`_Rows`). A row still being appended lies past the bytes used, so it is not read."""
+    if len(data) < _HEADER_SIZE:
+        return  # a file that its writer has just created
+    used, stored_width = _U64.unpack_from(data, 0)[0], _U64.unpack_from(data, _U64.size)[0]
+    if used == 0:
+        return  # or whose writer has not written the header yet
+    if stored_width != width or used > len(data):
+        raise ValueError(f"{where}: not rows of {width} values (header: {used} bytes used of {len(data)}, "
+                         f"rows of {stored_width} values)")
+    pos = _HEADER_SIZE
+    while pos < used:
+        key_length = _U64.unpack_from(data, pos)[0]
+        start = pos + _U64.size + _padded(key_length)
+        end = start + 8 * width
+        if end > used:
+            raise ValueError(f"{where}: the row at byte {pos} ends at byte {end}, past the {used} bytes used")
+        yield tuple(json.loads(data[pos + _U64.size:pos + _U64.size + key_length])), start
+        pos = end
+
+
+class _Rows:
+    """Rows of ``width`` float64 values, one per tuple of label values, written by this process alone:
+    in a file at ``path`` that other processes read while this one writes, or without a path in
+    anonymous memory.
+
+    Layout, in native byte order: two uint64, the bytes used and ``width``; then the rows, each a uint64
+    key length, the key (the label values as a JSON list) zero-padded to 8 bytes, and ``width`` float64.
+    A new row is written whole before the bytes used grow over it, so readers see it whole or not at all;
+    values are updated in place by aligned 8-byte stores, through ``values``, a float64 view of it all.
+    The file doubles when full; a file left by an earlier process of the same index is carried on.
+    """
+
+    def __init__(self, width: int, path: str | None = None) -> None:
+        self.width = width
+        self._file = None if path is None else _open_alone(path)
+        size = mmap.PAGESIZE if self._file is None else max(mmap.PAGESIZE, os.fstat(self._file.fileno()).st_size)
+        self._map = self._mapped(size)
+        self.values = memoryview(self._map).cast("d")
+        self._starts = {labels: start // 8 for labels, start in  # label values -> index in values
+                        _published_rows(self._map, width, path or "anonymous rows")}
+        self._used = _U64.unpack_from(self._map, 0)[0]
+        if self._used == 0:
+            self._map[_U64.size:_HEADER_SIZE] = _U64.pack(width)
+            self._publish(_HEADER_SIZE)
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        """All the rows, in their layout."""
+        return self._map
+
+    def row(self, labels: tuple[str, ...]) -> int:
+        """The index in ``values`` of the first value of ``labels``' row, appended as zeros if new."""
+        start = self._starts.get(labels)
+        if start is None:
+            start = self._starts[labels] = self._append(labels)
+        return start
+
+    def close(self) -> None:
+        """Unmaps the rows and closes (unlocks) the file, which stays for other processes to read."""
+        self.values.release()
+        self._map.close()
+        if self._file is not None:
+            self._file.close()
+
+    def _append(self, labels: tuple[str, ...]) -> int:
+        key = json.dumps(labels).encode()
+        row = _U64.pack(len(key)) + key.ljust(_padded(len(key)), b"\0") + bytes(8 * self.width)
+        end = self._used + len(row)
+        if end > len(self._map):
+            self._grow(end)
+        self._map[self._used:end] = row
+        self._publish(end)
+        return end // 8 - self.width
+
+    def _publish(self, used: int) -> None:
+        self._used = used
+        self._map[0:_U64.size] = _U64.pack(used)
+
+    def _grow(self, needed: int) -> None:
+        size = len(self._map)
+        while size < needed:
+            size *= 2
+        old = self._map
+        self.values.release()  # an exported buffer cannot be closed
+        self._map = self._mapped(size)
+        if self._file is None:
+            self._map[:len(old)] = old
+        old.close()
+        self.values = memoryview(self._map).cast("d")
+
+    def _mapped(self, size: int) -> mmap.mmap:
+        if self._file is None:
+            return mmap.mmap(-1, size)
+        self._file.truncate(size)  # never shrinks: size is at least the file's
+        return mmap.mmap(self._file.fileno(), size)
+
+
+class _RowsCollector(Collector):
+    """A metric whose values are kept in :class:`_Rows`. With ``shared_dir``, every API server process
+    writes its own file there (``<name>.<process_index>.rows``) and collecting sums the rows of all of
+    them, so a scrape of any one process reports the whole server."""
+
+    def __init__(self, name: str, doc: str, width: int, shared_dir: str | None, process_index: int) -> None:
+        self.name = PREFIX + name
+        self.doc = doc
+        self._shared_dir = shared_dir
+        self._file_pattern = f"{name}.*.rows"
+        path = None if shared_dir is None else os.path.join(shared_dir, f"{name}.{process_index}.rows")
+        self._rows = _Rows(width, path)
+
+    def close(self) -> None:
+        """Releases this process's rows (and its file); it must not observe anything after."""
+        self._rows.close()
+
+    def _totals(self) -> dict[tuple[str, ...], list[float]]:
+        """Each label tuple's values, summed over the rows of every process."""
+        totals: dict[tuple[str, ...], list[float]] = {}
+        row_format = f"={self._rows.width}d"
+        for where, data in self._sources():
+            for labels, start in _published_rows(data, self._rows.width, where):
+                total = totals.setdefault(labels, [0.0] * self._rows.width)
+                for i, value in enumerate(struct.unpack_from(row_format, data, start)):
+                    total[i] += value
+        return totals
+
+    def _sources(self) -> Iterator[tuple[str, bytes | mmap.mmap]]:
+        if self._shared_dir is None:
+            yield "this process's rows", self._rows.buffer
+            return
+        for path in sorted(glob.glob(os.path.join(glob.escape(self._shared_dir), self._file_pattern))):
+            with open(path, "rb") as file:
+                yield path, file.read()
+
+
+class LatencyHistogram(_RowsCollector):
     """A histogram of latencies in seconds per model, that observes many equal values in one call: a
     stream's output carries the tokens of every step since the previous one, and their gaps are
     observed together (prometheus_client's ``Histogram`` takes one value per call, under a lock,
     which cost a served burst about a tenth of its event loop). Used on the event loop only, like
     the ``/metrics`` handler that collects it."""
 
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], shared_dir: str | None = None,
+                 process_index: int = 0) -> None:
         if list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets of {name} must ascend strictly, got {buckets}")
-        self.name = PREFIX + name
-        self.doc = doc
+        # A row: the observations per bucket (not cumulative; +Inf last), then their sum.
+        super().__init__(name, doc, len(buckets) + 2, shared_dir, process_index)
         self.bounds = buckets  # the upper bounds ("le"); +Inf follows
-        self._counts: dict[str, list[int]] = {}  # per model: observations per bucket (not cumulative)
-        self._sums: dict[str, float] = {}
+        self._sum_index = len(buckets) + 1
+        self._starts: dict[str, int] = {}  # model -> its row's start: saves building a key per observation
 
     def observe(self, model: str, value: float, count: int = 1) -> None:
         """``count`` observations of ``value``."""
-        counts = self._counts.get(model)
-        if counts is None:
-            counts = self._counts[model] = [0] * (len(self.bounds) + 1)
-            self._sums[model] = 0.0
-        counts[bisect.bisect_left(self.bounds, value)] += count  # value <= bound: that bucket
-        self._sums[model] += value * count
+        start = self._starts.get(model)
+        if start is None:
+            start = self._starts[model] = self._rows.row((model,))
+        values = self._rows.values  # only now: adding the row may have replaced it
+        values[start + bisect.bisect_left(self.bounds, value)] += count  # value <= bound: that bucket
+        values[start + self._sum_index] += value * count
 
     def collect(self) -> Iterable[Metric]:
         family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
         les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
-        for model, counts in self._counts.items():
-            family.add_metric([model], list(zip(les, itertools.accumulate(counts))), self._sums[model])
+        for (model,), row in self._totals().items():
+            family.add_metric([model], list(zip(les, itertools.accumulate(row[:-1]))), row[-1])
+        yield family
+
+
+class LabeledCounter(_RowsCollector):
+    """A counter with labels, exposed as ``<name>_total``. Used on the event loop only."""
+
+    def __init__(self, name: str, doc: str, labelnames: list[str], shared_dir: str | None = None,
+                 process_index: int = 0) -> None:
+        super().__init__(name, doc, 1, shared_dir, process_index)
+        self.labelnames = labelnames
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        """Adds ``amount`` to the count of ``labels`` (one value per label name)."""
+        if len(labels) != len(self.labelnames):
+            raise ValueError(f"{self.name} has labels {self.labelnames}, got values {labels}")
+        start = self._rows.row(labels)  # first: adding the row may replace ``values``
+        self._rows.values[start] += amount
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for labels, (value,) in self._totals().items():
+            family.add_metric(list(labels), value)
         yield family
 
 
 class ServerMetrics:
-    """All metrics of one app, in its own registry."""
+    """All metrics of one app, in its own registry.
+
+    With several API server processes, each is given the same ``shared_dir`` (private to them, made
+    and removed by their supervisor) and its own ``process_index``: the server-side metrics below
+    are then the sums over all of them, whichever process is scraped. The engine's come from the
+    engine core, the same in every process.
+    """
 
     def __init__(self, get_stats: Callable[[], dict[str, EngineStats]],
-                 get_alive: Callable[[], dict[str, bool]]) -> None:
+                 get_alive: Callable[[], dict[str, bool]], shared_dir: str | None = None,
+                 process_index: int = 0) -> None:
+        if process_index < 0:
+            raise ValueError(f"process_index must be at least 0, got {process_index}")
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(get_stats, get_alive))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> LatencyHistogram:
-            collector = LatencyHistogram(name, doc, buckets)
+            collector = LatencyHistogram(name, doc, buckets, shared_dir, process_index)
             self.registry.register(collector)
             return collector
 
@@ -147,9 +345,16 @@ class ServerMetrics:
                                              "Time from arrival to the end of the request.", _REQUEST_BUCKETS)
         self.request_queue_time = histogram("request_queue_time_seconds",
                                             "Time from arrival to first being scheduled.", _REQUEST_BUCKETS)
-        self.requests_rejected = Counter(
-            PREFIX + "requests_rejected", "Requests refused by admission control (429), by reason.",
-            ["model_name", "reason"], registry=self.registry)
+        self.requests_rejected = LabeledCounter(
+            "requests_rejected", "Requests refused by admission control (429), by reason.",
+            ["model_name", "reason"], shared_dir, process_index)
+        self.registry.register(self.requests_rejected)
+
+    def close(self) -> None:
+        """Releases this process's metric rows and files (the others' stay, for their scrapes)."""
+        for collector in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
+                          self.request_queue_time, self.requests_rejected):
+            collector.close()
 
 
 class RequestTracker:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.engine.async_llm_engine import AsyncLLMEngine
+from novainfer.engine.core_client import CoreHandle
 from novainfer.engine.llm_engine import EngineStats
 from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.tokenizer import get_tokenizer
@@ -140,7 +141,10 @@ class LoadState(enum.Enum):
 
 
 class ModelRegistry:
-    def __init__(self, specs: list[ModelSpec]) -> None:
+    """The served models by name. With ``cores`` (one of several API server processes) each
+    model's engine core was started by the supervisor process, and loading attaches to it."""
+
+    def __init__(self, specs: list[ModelSpec], cores: dict[str, CoreHandle] | None = None) -> None:
         if not specs:
             raise ValueError("at least one model must be served")
         names = [s.name for s in specs]
@@ -148,6 +152,7 @@ class ModelRegistry:
         if duplicates:
             raise ValueError(f"served model names must be unique, got {duplicates} more than once")
         self.specs = specs
+        self.cores = cores
         self.names = names
         self._models: dict[str, ServedModel] = {}
         self.state = LoadState.LOADING
@@ -181,7 +186,8 @@ class ModelRegistry:
         try:
             for spec in self.specs:
                 logger.info("loading model '%s'", spec.name)
-                engine = AsyncLLMEngine.from_engine_args(spec.engine_args, name=spec.name)
+                engine = AsyncLLMEngine.attach(self.cores[spec.name], spec.name) if self.cores is not None \
+                    else AsyncLLMEngine.from_engine_args(spec.engine_args, name=spec.name)
                 self._models[spec.name] = self._serve(spec.name, engine)
                 logger.info("model '%s' ready", spec.name)
         except Exception as exc:

@@ -22,7 +22,7 @@ from novainfer.entrypoints.openai.errors import OpenAIError, error_body, param_f
 from novainfer.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from novainfer.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from novainfer.entrypoints.openai.served_models import ModelRegistry, ServedModel
-from novainfer.entrypoints.openai.sessions import SessionStore
+from novainfer.entrypoints.openai.sessions import RemoteSessionStore, SessionStore
 from novainfer.entrypoints.openai.streaming import SSE_DONE, ClientDisconnected, SSEResponse, merge_streams, \
     sse_event, unless_disconnected
 from novainfer.outputs import RequestOutput
@@ -38,7 +38,7 @@ class ServerContext:
     models: ModelRegistry
     admission: AdmissionController
     metrics: ServerMetrics
-    sessions: SessionStore
+    sessions: SessionStore | RemoteSessionStore
     log_requests: bool = True
 
 
@@ -166,7 +166,7 @@ async def submit(ctx: ServerContext, request: Request, model: ServedModel, respo
                                              num_tokens)
     except OpenAIError as err:
         if err.status == 429:
-            ctx.metrics.requests_rejected.labels(model.name, err.code or "overloaded").inc()
+            ctx.metrics.requests_rejected.inc(model.name, err.code or "overloaded")
         raise
     scope.add(ticket.release)
     tracker = RequestTracker(ctx.metrics, request_id_of(request) or response_id, model.name, endpoint,
