@@ -50,11 +50,12 @@ def _title(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], out: Path) -> Path:
     """Three panels sharing the rate axis: output tok/s (with the offline companion's, when measured),
-    TTFT and ITL in ms (median solid, p99 dashed)."""
+    TTFT and ITL in ms (median solid, p99 dashed). Of several rounds, the first (a fresh server's)."""
     plt = _pyplot()
     from matplotlib.ticker import NullLocator
 
-    runs = sorted(report["results"], key=lambda r: math.inf if r["request_rate"] == "inf" else r["request_rate"])
+    first_round = [r for r in report["results"] if r.get("round", 1) == 1]  # files of before --rounds have none
+    runs = sorted(first_round, key=lambda r: math.inf if r["request_rate"] == "inf" else r["request_rate"])
     x, labels = rate_positions([r["request_rate"] for r in runs])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), constrained_layout=True)
     throughput, ttft, itl = axes

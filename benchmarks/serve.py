@@ -95,6 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="processes sending the requests (round-robin over one arrival schedule), so that "
                            "parsing the streams is not what limits the measured rate")
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--rounds", type=int, default=1,
+                      help="times the whole list of rates runs on the same server, each round with prompts of its "
+                           "own (no prefix-cache hits across rounds): the first round shows a fresh server, later "
+                           "ones a warm one")
     p.add_argument("--save-detailed", action="store_true",
                    help="also record each request's timeline in the results (sent, headers, first token, end, "
                         "in seconds after the rate's start): where a burst's requests wait")
@@ -108,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.offline_repeats < 1:
         p.error(f"--offline-repeats must be >= 1, got {args.offline_repeats}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.num_prompts < 1 or args.output_len < 1:
         p.error("--num-prompts and --output-len must be >= 1")
     if args.client_processes < 1:
@@ -253,8 +259,8 @@ def _carries_tokens(choice: dict[str, Any]) -> bool:
 
 
 def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list[str]) -> list[dict[str, Any]]:
-    """Every rate of ``--request-rates`` in turn, from ``--client-processes`` client processes (the same
-    ones for every rate, each after one warm-up request): a summary per rate."""
+    """Every rate of ``--request-rates`` in turn, ``--rounds`` times, from ``--client-processes`` client
+    processes (the same ones for every rate, each after one warm-up request): a summary per rate and round."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
@@ -262,8 +268,9 @@ def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list
     context = multiprocessing.get_context("spawn")  # no copy of a parent's threads or event loop
     with ProcessPoolExecutor(count, mp_context=context) as pool:
         list(pool.map(_client_share, [ClientShare(args, base_url, model, ["warm up"], [0.0], time.time())] * count))
-        return [run_rate(pool, count, args, base_url, model, tag_prompts(prompts, i), rate)
-                for i, rate in enumerate(args.request_rates)]
+        schedule = [(k + 1, rate) for k in range(args.rounds) for rate in args.request_rates]
+        return [{"round": k, **run_rate(pool, count, args, base_url, model, tag_prompts(prompts, i), rate)}
+                for i, (k, rate) in enumerate(schedule)]
 
 
 def tag_prompts(prompts: list[str], index: int) -> list[str]:
@@ -549,7 +556,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workload": {"endpoint": args.endpoint, "prompts": source, "num_prompts": args.num_prompts,
                      "max_input_words": args.max_input_tokens, "output_len": args.output_len, "ignore_eos": True,
                      "request_rates": [rate_label(r) for r in args.request_rates],
-                     "max_concurrency": args.max_concurrency, "seed": args.seed, "stream": True},
+                     "max_concurrency": args.max_concurrency, "seed": args.seed, "stream": True,
+                     "rounds": args.rounds},
         "results": measured.runs,
         "offline_companion": measured.offline,
     }
@@ -561,18 +569,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def print_table(runs: list[dict[str, Any]], offline: dict[str, Any] | None) -> None:
     """One line per rate: throughput, TTFT and ITL percentiles, the client's CPU share; then the offline run."""
-    print(f"{'rate/s':>7} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p99 ms':>19} "
+    print(f"{'round':>5} {'rate/s':>7} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p99 ms':>19} "
           f"{'ITL p50/p99 ms':>17} {'client CPU':>11}")
     for run in runs:
         ttft, itl = run["ttft_ms"], run["itl_ms"]
-        print(f"{run['request_rate']!s:>7} {run['completed']:>5} {run['request_throughput_per_s']:>7.2f} "
+        print(f"{run['round']:>5} {run['request_rate']!s:>7} {run['completed']:>5} {run['request_throughput_per_s']:>7.2f} "
               f"{run['output_throughput_tok_per_s']:>10.1f} {_pair(ttft):>19} {_pair(itl):>17} "
               f"{run['client_cpu']['busiest_process_fraction_of_wall']:>10.0%}")
         if run["failed"]:
             print(f"        {run['failed']} failed: {run['errors']}")
     print("client CPU: the busiest client process's CPU time over the wall time (100% = its one core busy)")
     if offline is not None:
-        ratios = ", ".join(f"{run['output_throughput_vs_offline']:.3f} at rate {run['request_rate']}" for run in runs)
+        ratios = ", ".join(f"{run['output_throughput_vs_offline']:.3f} at rate {run['request_rate']} (round "
+                           f"{run['round']})" for run in runs)
         print(f"offline LLM.generate: {offline['output_throughput_tok_per_s']:.1f} output tok/s; "
               f"served / offline output throughput: {ratios}")
 

@@ -35,13 +35,13 @@ def assert_rate(per_s: float, count: float, duration_s: float, count_rounding: f
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> tuple[dict, object]:
-    """One run of serve.py: rates inf then 50, with the offline companion; (report, results directory)."""
+    """One run of serve.py: rates inf then 50, twice, with the offline companion; (report, results directory)."""
     out = tmp_path_factory.mktemp("serve")
     dataset = out / "conversations.json"
     dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": t}]} for t in TEXTS]))
     report = serve.main(["--device", "cpu", "--dataset", str(dataset), "--num-prompts", str(len(TEXTS)),
                          "--max-input-tokens", str(MAX_WORDS), "--output-len", str(OUTPUT_LEN),
-                         "--request-rates", "inf,50", "--offline-companion", "--offline-repeats", "2", "--client-processes", "2",
+                         "--request-rates", "inf,50", "--rounds", "2", "--offline-companion", "--offline-repeats", "2", "--client-processes", "2",
                          "--save-detailed", "--server-log", str(out / "server.log"), "--results-dir", str(out), "--output", "run"])
     return report, out
 
@@ -80,7 +80,7 @@ def test_every_rate_serves_every_request_in_full(sweep, model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cut = [" ".join(t.split()[:MAX_WORDS]) for t in TEXTS]
     runs = report["results"]
-    assert [run["request_rate"] for run in runs] == ["inf", 50.0]
+    assert [(run["round"], run["request_rate"]) for run in runs] == [(1, "inf"), (1, 50.0), (2, "inf"), (2, 50.0)]
     for index, run in enumerate(runs):
         # The completions endpoint encodes text without special tokens, as the engine does.
         expected_input = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in serve.tag_prompts(cut, index))
@@ -91,7 +91,10 @@ def test_every_rate_serves_every_request_in_full(sweep, model_dir):
         assert_rate(run["output_throughput_tok_per_s"], run["total_output_tokens"], run["duration_s"])
         assert 0 < run["ttft_ms"]["median"] <= run["e2e_latency_ms"]["median"]
         assert 0 < run["time_to_headers_ms"]["median"] <= run["ttft_ms"]["median"]
-        assert run["ttft_ms"]["median"] <= run["ttft_ms"]["p99"] and run["itl_ms"]["median"] <= run["itl_ms"]["p99"]
+        assert run["ttft_ms"]["median"] <= run["ttft_ms"]["p99"]
+        # No gaps at all when every stream's tokens came in one chunk (a busy machine reads them late).
+        itl = run["itl_ms"]
+        assert (itl["median"], itl["p99"]) == (None, None) or itl["median"] <= itl["p99"]
         # The timeline: every request sent before the last token came, the last token within the duration.
         assert 0 <= run["last_request_sent_s"] < run["last_token_s"] <= run["duration_s"] + 0.001
         assert 0 < run["first_token_s"] <= run["last_token_s"]
@@ -123,7 +126,7 @@ def test_server_log_holds_the_engine_cores_steps(sweep):
     """Every served token after a request's first comes from a decode step the core logged."""
     _, out = sweep
     steps = re.findall(r"novainfer\.engine\.core: step \d+: .*decode_tokens=(\d+)", (out / "server.log").read_text())
-    served_requests = 2 * len(TEXTS)  # two rates
+    served_requests = 4 * len(TEXTS)  # two rates, twice
     assert sum(int(n) for n in steps) >= served_requests * (OUTPUT_LEN - 1)
 
 

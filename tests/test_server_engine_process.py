@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from novainfer import LLM, SamplingParams
-from tests.test_server_support import PACED_STEPS, metric_value, serve
+from tests.test_server_support import PACED_STEPS, REPO_ROOT, ServerProcess, metric_value, serve
 from tests.utils import tiny_model
 
 KV_BYTES = 16 << 20
@@ -264,3 +264,22 @@ def test_killed_engine_core_fails_requests_and_the_server_stays_up(paced_server)
                         model_name="tiny") == 0
     refused = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+
+
+def test_an_api_server_process_that_dies_stops_the_whole_server():
+    """With several API server processes, one killed (SIGKILL) ends the server: the supervisor exits
+    with an error and leaves no process behind (its clients would otherwise be served by fewer
+    processes than configured, without anyone noticing)."""
+    with ServerProcess([*SERVER_ARGS, "--api-server-count", "2"], cwd=REPO_ROOT) as server:
+        core = engine_core_pid(server)
+        children = descendants(server.proc.pid)
+        api_servers = [pid for pid in children if pid != core
+                       and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+                       and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(api_servers) == 2, (api_servers, children)
+        os.kill(api_servers[0], signal.SIGKILL)
+        assert server.proc.wait(timeout=30) != 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(p) for p in children):
+            time.sleep(0.1)
+        assert not [p for p in children if alive(p)], f"children left running: {children}"

@@ -155,10 +155,10 @@ def run_api_servers(config: ServerConfig) -> int:
     sock = bind_listening_socket(config.host, config.port)
     supervisor = Supervisor(config)
     previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    logger.info("serving %s on http://%s:%d with %d API server processes", ", ".join(s.name for s in config.models),
-                config.host, config.port, config.api_server_count)
     try:
         supervisor.start(sock)
+        logger.info("serving %s on http://%s:%d with %d API server processes (loading models in the background)",
+                    ", ".join(s.name for s in config.models), config.host, config.port, config.api_server_count)
         return supervisor.wait()
     finally:
         supervisor.stop()
