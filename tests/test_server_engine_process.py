@@ -178,16 +178,41 @@ def test_mixed_batch_served_equals_offline_byte_for_byte(server, offline, stream
     assert expected[2].outputs[0].finish_reason == "stop"  # the stop string did end it
 
 
+def test_a_client_disconnect_frees_its_kv_blocks_within_a_second(server):
+    base = server.base_url
+    body = {"model": "tiny", "prompt": "Leaving early", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 4:
+                busy = httpx.get(f"{base}/metrics", timeout=10).text
+                assert metric_value(busy, "novainfer:num_requests_running", model_name="tiny") == 1
+                assert metric_value(busy, "novainfer:kv_cache_usage_perc", model_name="tiny") > 0
+                break  # leaving the lines closes the connection
+    left = time.monotonic()
+    while True:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        if metric_value(text, "novainfer:kv_cache_usage_perc", model_name="tiny") == 0:
+            break
+        assert time.monotonic() - left < 1.0, "the request's KV blocks were not freed within a second"
+        time.sleep(0.02)
+    assert metric_value(text, "novainfer:num_requests_running", model_name="tiny") == 0
+
+
 def test_sessions_and_metrics_are_the_same_whichever_process_answers(server):
     """Each request on a new connection, which any API server process may accept: a session's turns
     all see its history, and a scrape counts every request."""
     base = server.base_url
 
-    def ttft_count() -> float:
+    def counts() -> tuple[float, float]:
+        """Requests with a first token, and sequences finished (by any reason but abort)."""
         text = httpx.get(f"{base}/metrics", timeout=10).text
-        return metric_value(text, "novainfer:time_to_first_token_seconds_count", model_name="tiny") or 0.0
+        finished = sum(metric_value(text, "novainfer:request_success_total", model_name="tiny",
+                                    finished_reason=reason) for reason in ("stop", "length"))
+        return metric_value(text, "novainfer:time_to_first_token_seconds_count", model_name="tiny") or 0.0, finished
 
-    before = ttft_count()
+    before = counts()
     session = httpx.post(f"{base}/v1/sessions", json={"model": "tiny"}, timeout=10).json()["id"]
     turns = 6
     for turn in range(turns):
@@ -198,7 +223,7 @@ def test_sessions_and_metrics_are_the_same_whichever_process_answers(server):
     messages = httpx.get(f"{base}/v1/sessions/{session}", timeout=10).json()["messages"]
     assert [m["content"] for m in messages if m["role"] == "user"] == [f"turn {t}" for t in range(turns)]
     assert len(messages) == 2 * turns
-    assert ttft_count() - before == turns
+    assert [now - then for now, then in zip(counts(), before)] == [turns, turns]
 
 
 def test_sigterm_of_the_server_leaves_no_child_process(server):

@@ -9,6 +9,7 @@ dropped); the caller then aborts it in the core (``process_outputs`` says which)
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest
@@ -65,6 +66,8 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.children: dict[str, tuple[ParentState, ChildState]] = {}
         self.finished_requests_total: Counter = Counter()  # sequences, by finish reason
+        # Called with each finished sequence's finish reason (a server's metrics, summed over its processes).
+        self.on_finished: Callable[[str], None] | None = None
         self.load = FrontendLoad()
 
     def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -205,6 +208,8 @@ class OutputProcessor:
     def _finish(self, parent: ParentState, child: ChildState, now: float) -> None:
         parent.num_unfinished -= 1
         self.finished_requests_total[child.finish_reason] += 1
+        if self.on_finished is not None:
+            self.on_finished(child.finish_reason)
         if child.token_ids:
             self.load.num_running -= 1
         else:

@@ -223,6 +223,7 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
         metrics = ServerMetrics(registry.stats, registry.alive, shared_dir=shared.metrics_dir,
                                 process_index=shared.index)
         sessions = RemoteSessionStore(shared.session_address)
+    registry.count_finishes_with({name: metrics.count_finishes(name) for name in registry.names})
     app.state.ctx = ServerContext(models=registry, admission=AdmissionController(config.limits), metrics=metrics,
                                   sessions=sessions, log_requests=config.log_requests)
     app.state.config = config

@@ -1,9 +1,10 @@
 """Prometheus metrics with vLLM's names under a ``novainfer:`` prefix, and the per-request log line.
 
-Gauges and counters owned by the engine (running/waiting requests, KV usage, token and prefix
-cache totals, finished requests by reason) are read from each engine's stats snapshot when
-``/metrics`` is scraped, by :class:`EngineStatsCollector`. Per-request latencies are histograms
-fed by :class:`RequestTracker`, from the engine's own timestamps. Every app gets its own
+Gauges and counters owned by the engine core (running/waiting requests, KV usage, token and prefix
+cache totals) are read from each engine's stats snapshot when ``/metrics`` is scraped, by
+:class:`EngineStatsCollector`. Finished requests by reason are counted by the front-end as they
+finish (:meth:`ServerMetrics.count_finishes`). Per-request latencies are histograms fed by
+:class:`RequestTracker`, from the engine's own timestamps. Every app gets its own
 ``CollectorRegistry``, so several apps (tests) in one process never clash. The server-side metrics
 (latencies, rejections) keep their values in memory maps; with several API server processes, in one
 file per process in a directory they share, and every scrape sums them all.
@@ -12,6 +13,7 @@ file per process in a directory they share, and every scrape sums them all.
 from __future__ import annotations
 
 import bisect
+import functools
 import fcntl
 import glob
 import itertools
@@ -93,12 +95,6 @@ class EngineStatsCollector(Collector):
             for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos_total):
                 per_pos.add_metric([model, str(position)], float(count))
         yield per_pos
-        finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish reason.",
-                                       labels=["model_name", "finished_reason"])
-        for model, s in stats.items():
-            for reason in sorted(set(s.finished_requests_total) | {"stop", "length", "abort"}):
-                finished.add_metric([model, reason], float(s.finished_requests_total.get(reason, 0)))
-        yield finished
 
 
 _U64 = struct.Struct("=Q")
@@ -349,11 +345,22 @@ class ServerMetrics:
             "requests_rejected", "Requests refused by admission control (429), by reason.",
             ["model_name", "reason"], shared_dir, process_index)
         self.registry.register(self.requests_rejected)
+        # Counted by the front-end (stop strings end requests there), so summed over the processes.
+        self.requests_finished = LabeledCounter("request_success", "Finished requests, by finish reason.",
+                                                ["model_name", "finished_reason"], shared_dir, process_index)
+        self.registry.register(self.requests_finished)
+
+    def count_finishes(self, model: str) -> Callable[[str], None]:
+        """What counts the finished sequences of ``model`` by reason (its usual reasons listed at 0).
+        Called on the thread that serves (rows are made by one thread only)."""
+        for reason in ("stop", "length", "abort"):
+            self.requests_finished.inc(model, reason, amount=0.0)
+        return functools.partial(self.requests_finished.inc, model)
 
     def close(self) -> None:
         """Releases this process's metric rows and files (the others' stay, for their scrapes)."""
         for collector in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
-                          self.request_queue_time, self.requests_rejected):
+                          self.request_queue_time, self.requests_rejected, self.requests_finished):
             collector.close()
 
 

@@ -159,6 +159,7 @@ class ModelRegistry:
         self.error: str | None = None
         self._thread: threading.Thread | None = None
         self.stall_timeout_s = 60.0  # a busy engine without a finished step for longer is unhealthy
+        self._finish_counters: dict[str, Callable[[str], None]] = {}
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
@@ -170,8 +171,15 @@ class ModelRegistry:
         registry.state = LoadState.READY
         return registry
 
-    @staticmethod
-    def _serve(name: str, engine: AsyncLLMEngine) -> ServedModel:
+    def count_finishes_with(self, counters: dict[str, Callable[[str], None]]) -> None:
+        """Has each model's engine, loaded or still to load, report every finished sequence's finish
+        reason to ``counters[model name]``."""
+        self._finish_counters = counters
+        for model in self._models.values():
+            model.engine.output_processor.on_finished = counters.get(model.name)
+
+    def _serve(self, name: str, engine: AsyncLLMEngine) -> ServedModel:
+        engine.output_processor.on_finished = self._finish_counters.get(name)
         config = engine.model_config
         tokenizer = get_tokenizer(config.tokenizer)
         kv = engine.core.info
