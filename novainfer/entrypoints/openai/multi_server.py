@@ -119,7 +119,10 @@ class Supervisor:
         """Until a stop is requested (0) or an API server exits (its exit code, at least 1)."""
         waiting = {p.sentinel: p for p in [*self.servers, *self.cores.values()]}
         while not self._stop.is_set():
-            for sentinel in multiprocessing.connection.wait(list(waiting), timeout=0.5):
+            ready = multiprocessing.connection.wait(list(waiting), timeout=0.5)
+            if self._stop.is_set():  # Ctrl-C reaches the API servers too: they may be ending already
+                break
+            for sentinel in ready:
                 process = waiting.pop(sentinel)
                 process.join()  # reaped now: the API servers see a dead core's pid gone
                 if process in self.servers:
