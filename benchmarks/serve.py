@@ -13,7 +13,10 @@ Reported per rate: request throughput, output and total token throughput, TTFT (
 token), TPOT (time per output token after the first), ITL (gap between streamed chunks) and E2E
 latency, each as mean / median / p99 in milliseconds, and the CPU time of this client process
 (user + system) as a share of the wall time: well under one core means a faster client would not
-change the figures.
+change the figures. For a server started here, also the CPU seconds of each of its processes (the
+started one, and the engine cores and further API servers below it). ``--rounds N`` runs the whole
+list of rates N times on the same server, each round with prompts of its own: the first round is
+what a fresh server gives, the later ones a warm server.
 
 ``--offline-companion``: once the started server has stopped (its device memory is free), the same
 prompts go through ``novainfer.LLM.generate`` in this process, with the engine arguments the server
@@ -258,9 +261,11 @@ def _carries_tokens(choice: dict[str, Any]) -> bool:
     return bool(choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"))
 
 
-def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list[str]) -> list[dict[str, Any]]:
+def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list[str],
+              server_pid: int | None = None) -> list[dict[str, Any]]:
     """Every rate of ``--request-rates`` in turn, ``--rounds`` times, from ``--client-processes`` client
-    processes (the same ones for every rate, each after one warm-up request): a summary per rate and round."""
+    processes (the same ones for every rate, each after one warm-up request): a summary per rate and round.
+    With ``server_pid`` (a server started here), each summary has the server processes' CPU time too."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
@@ -269,8 +274,15 @@ def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list
     with ProcessPoolExecutor(count, mp_context=context) as pool:
         list(pool.map(_client_share, [ClientShare(args, base_url, model, ["warm up"], [0.0], time.time())] * count))
         schedule = [(k + 1, rate) for k in range(args.rounds) for rate in args.request_rates]
-        return [{"round": k, **run_rate(pool, count, args, base_url, model, tag_prompts(prompts, i), rate)}
-                for i, (k, rate) in enumerate(schedule)]
+        runs = []
+        for i, (k, rate) in enumerate(schedule):
+            cpu_before = process_tree_cpu(server_pid)
+            run = {"round": k, **run_rate(pool, count, args, base_url, model, tag_prompts(prompts, i), rate)}
+            if cpu_before is not None:
+                run["server_cpu"] = server_cpu(server_pid, cpu_before, process_tree_cpu(server_pid),
+                                               run["duration_s"])
+            runs.append(run)
+        return runs
 
 
 def tag_prompts(prompts: list[str], index: int) -> list[str]:
@@ -363,6 +375,39 @@ def client_cpu(seconds: list[float], wall: float) -> dict[str, Any]:
     return {"processes": len(seconds), "total_s": round(sum(seconds), 3),
             "fraction_of_wall": round(sum(seconds) / wall, 4),
             "busiest_process_fraction_of_wall": round(max(seconds) / wall, 4)}
+
+
+def process_tree_cpu(pid: int | None) -> dict[int, float] | None:
+    """CPU seconds (user + system) so far of process ``pid`` and every process below it, read from /proc
+    (None without a pid or without /proc)."""
+    proc = Path("/proc")
+    if pid is None or not (proc / str(pid)).exists():
+        return None
+    stats: dict[int, list[str]] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it ended meanwhile
+    tree, frontier = {pid}, {pid}
+    while frontier:
+        frontier = {child for child, fields in stats.items() if int(fields[1]) in frontier} - tree
+        tree |= frontier
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {p: (int(stats[p][11]) + int(stats[p][12])) / ticks for p in tree if p in stats}
+
+
+def server_cpu(root: int, before: dict[int, float], after: dict[int, float] | None, wall: float) -> dict[str, Any]:
+    """The server's processes' CPU seconds over a rate: the started process ``root`` (the API server, or
+    the supervisor of several) and, busiest first, the processes below it (engine cores, their workers,
+    more API servers). A process near the wall time (one core, for a one-thread loop) is a limit. A process
+    that ended during the rate counts nothing."""
+    after = after or {}
+    spent = {p: after.get(p, before.get(p, 0.0)) - before.get(p, 0.0) for p in before.keys() | after.keys()}
+    children = sorted((s for p, s in spent.items() if p != root), reverse=True)
+    return {"started_process_s": round(spent.get(root, 0.0), 3), "children_s": [round(s, 3) for s in children],
+            "total_s": round(sum(spent.values()), 3), "fraction_of_wall": round(sum(spent.values()) / wall, 4)}
 
 
 # ---- statistics -----------------------------------------------------------------------------------------
@@ -526,7 +571,7 @@ def measure_started_server(args: argparse.Namespace, prompts: list[str]) -> Meas
                                                log_level="DEBUG" if args.server_log else None)
     with server_process as server:
         model = args.model_name or first_model(server.base_url, args.api_key)
-        runs = run_sweep(args, server.base_url, model, prompts)
+        runs = run_sweep(args, server.base_url, model, prompts, server.proc.pid)
         if args.server_log:
             Path(args.server_log).write_text(server.log())
     measured = Measurement(resolved.type, tag, runs, model_info, shlex.join(["novainfer", *public_argv]))
@@ -578,6 +623,10 @@ def print_table(runs: list[dict[str, Any]], offline: dict[str, Any] | None) -> N
               f"{run['client_cpu']['busiest_process_fraction_of_wall']:>10.0%}")
         if run["failed"]:
             print(f"        {run['failed']} failed: {run['errors']}")
+        if "server_cpu" in run:
+            cpu = run["server_cpu"]
+            print(f"        server CPU over {run['duration_s']} s: {cpu['started_process_s']} s in the started process, "
+                  f"{', '.join(map(str, cpu['children_s']))} s in the processes below it")
     print("client CPU: the busiest client process's CPU time over the wall time (100% = its one core busy)")
     if offline is not None:
         ratios = ", ".join(f"{run['output_throughput_vs_offline']:.3f} at rate {run['request_rate']} (round "

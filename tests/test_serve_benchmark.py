@@ -122,6 +122,21 @@ def test_client_cpu_time_is_within_what_the_machine_allows(sweep):
         assert cpu["fraction_of_wall"] / 2 - 0.001 <= busiest <= cpu["fraction_of_wall"] + 0.001
 
 
+def test_server_cpu_time_is_within_what_the_machine_allows(sweep):
+    """The started server's processes: the API server itself and at least its engine core below it."""
+    report, _ = sweep
+    cpus = report["machine"]["usable_cpus"]
+    for run in report["results"]:
+        cpu, wall = run["server_cpu"], run["duration_s"]
+        assert len(cpu["children_s"]) >= 1 and cpu["children_s"] == sorted(cpu["children_s"], reverse=True)
+        processes = [cpu["started_process_s"], *cpu["children_s"]]
+        assert all(s >= 0 for s in processes)
+        assert cpu["total_s"] == pytest.approx(sum(processes), abs=0.002)
+        assert cpu["total_s"] <= wall * cpus + len(processes) * CPU_TICK_SLACK_S
+        assert_rate(cpu["fraction_of_wall"], cpu["total_s"], wall, count_rounding=0.0005)
+    assert sum(run["server_cpu"]["total_s"] for run in report["results"]) > 0  # the server worked
+
+
 def test_server_log_holds_the_engine_cores_steps(sweep):
     """Every served token after a request's first comes from a decode step the core logged."""
     _, out = sweep
