@@ -308,3 +308,18 @@ def test_an_api_server_process_that_dies_stops_the_whole_server():
         while time.monotonic() < deadline and any(alive(p) for p in children):
             time.sleep(0.1)
         assert not [p for p in children if alive(p)], f"children left running: {children}"
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_killed_server_leaves_no_process_behind(count):
+    """SIGKILL of the started process (no chance to stop anything): its engine core and, with several,
+    its API server processes notice their parent is gone and end."""
+    with ServerProcess([*SERVER_ARGS, "--api-server-count", str(count)], cwd=REPO_ROOT) as server:
+        children = descendants(server.proc.pid)
+        assert len(children) >= count + 1, children  # the engine core, and the API servers below a supervisor
+        server.proc.kill()
+        server.proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(p) for p in children):
+            time.sleep(0.1)
+        assert not [p for p in children if alive(p)], f"children left running: {children}"
