@@ -129,7 +129,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     def subset(self, keep: list[int]) -> EngineCoreOutputs:
         """The outputs of requests ``keep`` (ascending indices into ``request_ids``) as a message of
         their own, with this step's stats and timestamp: what one of several front-ends gets."""
-        starts = list(itertools.accumulate(self.num_new_tokens, initial=0))
+        if len(self.token_ids) == len(self.request_ids):  # one token each (most steps): token i is request i's
+            token_ids = [self.token_ids[i] for i in keep]
+        else:
+            starts = list(itertools.accumulate(self.num_new_tokens, initial=0))
+            token_ids = [t for i in keep for t in self.token_ids[starts[i]:starts[i + 1]]]
         new_index = {old: new for new, old in enumerate(keep)}
         finished = [(new_index[i], reason, stop) for i, reason, stop in
                     zip(self.finished, self.finish_reasons, self.stop_reasons) if i in new_index]
@@ -141,7 +145,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         block_index = [blocks.setdefault(block, len(blocks)) for _, block, _ in with_logprobs]
         return EngineCoreOutputs(
             request_ids=[self.request_ids[i] for i in keep], num_new_tokens=[self.num_new_tokens[i] for i in keep],
-            token_ids=[t for i in keep for t in self.token_ids[starts[i]:starts[i + 1]]],
+            token_ids=token_ids,
             finished=[f[0] for f in finished], finish_reasons=[f[1] for f in finished],
             stop_reasons=[f[2] for f in finished], started=[s[0] for s in started],
             num_cached_tokens=[s[1] for s in started], first_scheduled_times=[s[2] for s in started],

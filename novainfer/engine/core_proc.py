@@ -72,15 +72,13 @@ class EngineCoreLoop:
             self.send(StepOutputs(outputs))
             return
         owner = self._front_end_of
-        keep: list[list[int]] = [[] for _ in self.outputs]
-        for i, request_id in enumerate(outputs.request_ids):
-            front_end = owner.get(request_id)
-            if front_end is not None:  # None: aborted by its front-end, which no longer waits for it
-                keep[front_end].append(i)
+        # None: aborted by its front-end, which no longer waits for it.
+        owners = list(map(owner.get, outputs.request_ids))
         for i in outputs.finished:
             owner.pop(outputs.request_ids[i], None)
-        for front_end, indices in enumerate(keep):
-            self.send(StepOutputs(outputs.subset(indices)), front_end)
+        for front_end in range(len(self.outputs)):
+            keep = [i for i, of in enumerate(owners) if of == front_end]
+            self.send(StepOutputs(outputs.subset(keep)), front_end)
 
     def run(self) -> None:
         """Serves until Shutdown; a failure is sent as CoreFailed, then raised."""
