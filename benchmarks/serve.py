@@ -618,15 +618,16 @@ def print_table(runs: list[dict[str, Any]], offline: dict[str, Any] | None) -> N
           f"{'ITL p50/p99 ms':>17} {'client CPU':>11}")
     for run in runs:
         ttft, itl = run["ttft_ms"], run["itl_ms"]
-        print(f"{run['round']:>5} {run['request_rate']!s:>7} {run['completed']:>5} {run['request_throughput_per_s']:>7.2f} "
-              f"{run['output_throughput_tok_per_s']:>10.1f} {_pair(ttft):>19} {_pair(itl):>17} "
+        print(f"{run['round']:>5} {run['request_rate']!s:>7} {run['completed']:>5} "
+              f"{run['request_throughput_per_s']:>7.2f} {run['output_throughput_tok_per_s']:>10.1f} "
+              f"{_pair(ttft):>19} {_pair(itl):>17} "
               f"{run['client_cpu']['busiest_process_fraction_of_wall']:>10.0%}")
         if run["failed"]:
             print(f"        {run['failed']} failed: {run['errors']}")
         if "server_cpu" in run:
             cpu = run["server_cpu"]
-            print(f"        server CPU over {run['duration_s']} s: {cpu['started_process_s']} s in the started process, "
-                  f"{', '.join(map(str, cpu['children_s']))} s in the processes below it")
+            print(f"        server CPU over {run['duration_s']} s: {cpu['started_process_s']} s in the started "
+                  f"process, {', '.join(map(str, cpu['children_s']))} s in the processes below it")
     print("client CPU: the busiest client process's CPU time over the wall time (100% = its one core busy)")
     if offline is not None:
         ratios = ", ".join(f"{run['output_throughput_vs_offline']:.3f} at rate {run['request_rate']} (round "

@@ -41,8 +41,9 @@ def sweep(tmp_path_factory) -> tuple[dict, object]:
     dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": t}]} for t in TEXTS]))
     report = serve.main(["--device", "cpu", "--dataset", str(dataset), "--num-prompts", str(len(TEXTS)),
                          "--max-input-tokens", str(MAX_WORDS), "--output-len", str(OUTPUT_LEN),
-                         "--request-rates", "inf,50", "--rounds", "2", "--offline-companion", "--offline-repeats", "2", "--client-processes", "2",
-                         "--save-detailed", "--server-log", str(out / "server.log"), "--results-dir", str(out), "--output", "run"])
+                         "--request-rates", "inf,50", "--rounds", "2", "--offline-companion", "--offline-repeats", "2",
+                         "--client-processes", "2", "--save-detailed", "--server-log", str(out / "server.log"),
+                         "--results-dir", str(out), "--output", "run"])
     return report, out
 
 
