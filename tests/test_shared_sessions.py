@@ -9,6 +9,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 
@@ -240,10 +241,10 @@ def test_holder_renews_its_lease_while_it_holds_it(now):
 def test_service_answers_a_bad_call_and_keeps_serving(service, local):
     with zmq.Context() as context, context.socket(zmq.REQ) as raw:
         raw.connect(service.address)
-        raw.send(b"not json")
-        assert "error" in raw.recv_json()
-        raw.send_json({"call": "shutdown", "args": []})
-        assert "unknown call" in raw.recv_json()["error"]
+        raw.send(b"not msgpack \xc1")
+        assert "error" in msgspec.msgpack.decode(raw.recv())
+        raw.send(msgspec.msgpack.encode({"call": "shutdown", "args": []}))
+        assert "unknown call" in msgspec.msgpack.decode(raw.recv())["error"]
     assert local.create("alice", "m").model == "m"
 
 

@@ -25,7 +25,6 @@ Turns are then serialized across processes by a lease held in the service (see
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -39,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,12 @@ _POLL_FIRST_S, _POLL_MAX_S = 0.002, 0.05  # a waiting turn polls the lease, back
 _STOP_CHECK_MS = 100  # how often the service thread looks whether it should stop
 
 
+# Calls and replies travel as msgpack: a long conversation's messages cross twice per chat turn.
+# (The module's functions, not shared Encoder objects: the service's thread and its callers encode.)
+_encode = msgspec.msgpack.encode
+_decode = msgspec.msgpack.decode
+
+
 class SessionServiceError(RuntimeError):
     """The session service did not answer or failed a call (the server answers 500 and logs it)."""
 
@@ -151,7 +157,7 @@ class _SessionHost:
     """The service's side: one SessionStore and the turn leases, used only by the service thread.
 
     Its methods named in ``CALLS`` are what a RemoteSessionStore may call; they take and return
-    JSON values."""
+    plain values (msgpack)."""
 
     CALLS = frozenset({"get", "save", "create", "delete", "list", "count", "try_acquire", "release"})
 
@@ -203,14 +209,14 @@ class _SessionHost:
     def answer(self, request: bytes) -> bytes:
         """One call's reply, ``{"ok": result}`` or ``{"error": why}``: a bad call never stops the service."""
         try:
-            call = json.loads(request)
+            call = _decode(request)
             name, args = call["call"], call["args"]
             if name not in self.CALLS:
                 raise ValueError(f"unknown call {name!r}")
-            return json.dumps({"ok": getattr(self, name)(*args)}).encode()
+            return _encode({"ok": getattr(self, name)(*args)})
         except Exception as exc:
             logger.exception("session service: a call failed")
-            return json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+            return _encode({"error": f"{type(exc).__name__}: {exc}"})
 
 
 class SessionService:
@@ -374,10 +380,10 @@ class RemoteSessionStore:
             self._socket.setsockopt(zmq.LINGER, 0)  # a dead service must not hold up close()
             self._socket.connect(self.address)
         try:
-            self._socket.send_json({"call": name, "args": args}, zmq.NOBLOCK)
+            self._socket.send(_encode({"call": name, "args": args}), zmq.NOBLOCK)
             if not self._socket.poll(self.timeout_s * 1000):
                 raise TimeoutError(f"no answer within {self.timeout_s} s")
-            reply = self._socket.recv_json()
+            reply = _decode(self._socket.recv())
         except (zmq.ZMQError, TimeoutError) as exc:
             self._disconnect()
             raise SessionServiceError(f"session service at {self.address}: call '{name}' failed: {exc}") from exc
