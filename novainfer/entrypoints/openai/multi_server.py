@@ -89,21 +89,13 @@ class Supervisor:
         self._stop = threading.Event()
 
     def start(self, sock: socket.socket) -> None:
-        config, count = self.config, self.config.api_server_count
-        self.sessions = start_session_service(config.max_sessions, config.session_ttl_s)
-        handles: dict[str, list[CoreHandle]] = {}
-        for k, spec in enumerate(config.models):
-            engine_config = spec.engine_args.create_engine_config()
-            channels = [(f"ipc://{Path(self._dir) / f'core{k}-server{i}-in'}",
-                         f"ipc://{Path(self._dir) / f'core{k}-server{i}-out'}") for i in range(count)]
-            core = start_core_process(engine_config, channels, spec.name, spec.engine_args.log_stats_interval)
-            self.cores[spec.name] = core
-            logger.info("engine core of model '%s' started (pid %d)", spec.name, core.pid)
-            handles[spec.name] = [CoreHandle(engine_config, channel, core.pid) for channel in channels]
+        self.sessions = start_session_service(self.config.max_sessions, self.config.session_ttl_s)
+        handles = self._start_cores()
         metrics_dir = Path(self._dir) / "metrics"
         metrics_dir.mkdir()
         levels = {name: logging.getLogger(name).getEffectiveLevel() for name in _LOGGERS}
         context = multiprocessing.get_context("spawn")
+        count = self.config.api_server_count
         for i in range(count):
             cores = {name: model_handles[i] for name, model_handles in handles.items()}
             shared = SharedServing(i, count, cores, str(metrics_dir), self.sessions.address)
@@ -111,6 +103,20 @@ class Supervisor:
                                      args=(dataclasses.replace(self.config, shared=shared), sock, levels))
             server.start()
             self.servers.append(server)
+
+    def _start_cores(self) -> dict[str, list[CoreHandle]]:
+        """One engine-core process per model, with a channel per API server: each API server's handles."""
+        handles: dict[str, list[CoreHandle]] = {}
+        for k, spec in enumerate(self.config.models):
+            engine_config = spec.engine_args.create_engine_config()
+            channels = [(f"ipc://{Path(self._dir) / f'core{k}-server{i}-in'}",
+                         f"ipc://{Path(self._dir) / f'core{k}-server{i}-out'}")
+                        for i in range(self.config.api_server_count)]
+            core = start_core_process(engine_config, channels, spec.name, spec.engine_args.log_stats_interval)
+            self.cores[spec.name] = core
+            logger.info("engine core of model '%s' started (pid %d)", spec.name, core.pid)
+            handles[spec.name] = [CoreHandle(engine_config, channel, core.pid) for channel in channels]
+        return handles
 
     def request_stop(self, *_) -> None:
         self._stop.set()
