@@ -55,7 +55,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from novainfer.engine.arg_utils import EngineArgs
-from novainfer.entrypoints.openai.server_process import ServerProcess
+from novainfer.entrypoints.openai.server_process import ServerProcess, process_tree_cpu
 from benchmarks.common import REPO_ROOT, add_model_arguments, add_output_arguments, load_average, \
     resolve_model_args, run_facts, scrub_path, write_results
 
@@ -277,9 +277,9 @@ def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list
         schedule = [(k + 1, rate) for k in range(args.rounds) for rate in args.request_rates]
         runs = []
         for i, (k, rate) in enumerate(schedule):
-            cpu_before = process_tree_cpu(server_pid)
+            cpu_before = process_tree_cpu(server_pid) if server_pid is not None else {}
             run = {"round": k, **run_rate(pool, count, args, base_url, model, tag_prompts(prompts, i), rate)}
-            if cpu_before is not None:
+            if cpu_before:
                 run["server_cpu"] = server_cpu(server_pid, cpu_before, process_tree_cpu(server_pid),
                                                run["duration_s"])
             runs.append(run)
@@ -381,33 +381,11 @@ def client_cpu(seconds: list[float], wall: float) -> dict[str, Any]:
             "busiest_process_fraction_of_wall": round(max(seconds) / wall, 4)}
 
 
-def process_tree_cpu(pid: int | None) -> dict[int, float] | None:
-    """CPU seconds (user + system) so far of process ``pid`` and every process below it, read from /proc
-    (None without a pid or without /proc)."""
-    proc = Path("/proc")
-    if pid is None or not (proc / str(pid)).exists():
-        return None
-    stats: dict[int, list[str]] = {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            try:
-                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # it ended meanwhile
-    tree, frontier = {pid}, {pid}
-    while frontier:
-        frontier = {child for child, fields in stats.items() if int(fields[1]) in frontier} - tree
-        tree |= frontier
-    ticks = os.sysconf("SC_CLK_TCK")
-    return {p: (int(stats[p][11]) + int(stats[p][12])) / ticks for p in tree if p in stats}
-
-
-def server_cpu(root: int, before: dict[int, float], after: dict[int, float] | None, wall: float) -> dict[str, Any]:
+def server_cpu(root: int, before: dict[int, float], after: dict[int, float], wall: float) -> dict[str, Any]:
     """The server's processes' CPU seconds over a rate: the started process ``root`` (the API server, or
     the supervisor of several) and, busiest first, the processes below it (engine cores, their workers,
     more API servers). A process near the wall time (one core, for a one-thread loop) is a limit. A process
     that ended during the rate counts nothing."""
-    after = after or {}
     spent = {p: after.get(p, before.get(p, 0.0)) - before.get(p, 0.0) for p in before.keys() | after.keys()}
     children = sorted((s for p, s in spent.items() if p != root), reverse=True)
     return {"started_process_s": round(spent.get(root, 0.0), 3), "children_s": [round(s, 3) for s in children],

@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from novainfer import LLM, SamplingParams
+from novainfer.entrypoints.openai.server_process import process_tree_cpu
 from tests.test_server_support import PACED_STEPS, REPO_ROOT, ServerProcess, metric_value, serve
 from tests.utils import tiny_model
 
@@ -49,20 +50,8 @@ def offline():
 
 
 def descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (read from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
+    """Every process below ``pid``."""
+    return set(process_tree_cpu(pid)) - {pid}
 
 
 def alive(pid: int) -> bool:

@@ -8,8 +8,8 @@ The hot path is lean: a step's integer inputs go to the device in one copy from 
 buffer (:mod:`novainfer.worker.input_buffers`), each running request keeps a row of a
 persistent host block table that is only appended to, steps of up to
 ``max_cudagraph_capture_size`` tokens replay CUDA graphs (:mod:`novainfer.worker.cuda_graphs`), and
-the sampled tokens go to the host in one asynchronous copy. A step may be launched before the host has the previous step's tokens: its
-inputs then take them from the device (async scheduling).
+the sampled tokens go to the host in one asynchronous copy. A step may be launched before the host
+has the previous step's tokens: its inputs then take them from the device (async scheduling).
 """
 
 from __future__ import annotations
