@@ -259,6 +259,12 @@ def test_killed_engine_core_fails_requests_and_the_server_stays_up(paced_server)
         daemon=True)
     blocking.start()
     assert all(s.first.wait(60) for s in streams)
+    # The plain request too must be running in the core when it dies (not merely sent).
+    deadline = time.monotonic() + 30
+    while metric_value(httpx.get(f"{base}/metrics", timeout=10).text, "novainfer:num_requests_running",
+                       model_name="tiny") < 3:
+        assert time.monotonic() < deadline, "the three requests never ran together"
+        time.sleep(0.05)
     os.kill(engine_core_pid(paced_server), signal.SIGKILL)
     for stream in streams:
         stream.join(30)
