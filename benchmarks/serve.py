@@ -338,6 +338,8 @@ def run_rate(pool, count: int, args: argparse.Namespace, base_url: str, model: s
     summary = {"request_rate": rate_label(rate), **summarize(results, duration), **timeline(results, start_at),
                "client_cpu": client_cpu(cpu, duration)}
     if args.save_detailed:
+        # The rate's start as a Unix time, to set the requests' moments against a server log's timestamps.
+        summary["start_at_unix"] = round(start_at, 4)
         summary["requests"] = [request_timeline(r, start_at) for r in sorted(results, key=lambda r: r.sent_at)]
     return summary
 

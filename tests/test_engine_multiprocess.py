@@ -172,3 +172,46 @@ def test_one_engine_core_serves_several_front_ends(tmp_path):
     assert healthy == [False, False]
     assert "aborted" in received[0] and len(received[0]) == 5 and len(received[1]) == 4
     assert not received[0] & received[1]
+
+
+def test_a_burst_reaches_the_core_in_parts_while_it_is_admitted():
+    """Requests added in one turn of the event loop go to the core in messages of a bounded size as
+    they are added, not in one message once the whole burst is in; every output still equals the
+    in-process engine's."""
+    prompts = [f"burst request {i}: {'ab' * (i % 5)}" for i in range(70)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    args = EngineArgs(model=str(tiny_model()), kv_cache_memory_bytes=KV_BYTES)
+    local = LLM(str(tiny_model()), kv_cache_memory_bytes=KV_BYTES)
+    try:
+        expected = [o.outputs[0].token_ids for o in local.generate(prompts, params, use_tqdm=False)]
+    finally:
+        local.shutdown()
+    added = [0]  # add_request calls returned so far
+    sent: list[tuple[int, int]] = []  # per message to the core: (requests in it, add_request calls returned by then)
+
+    async def burst() -> list[list[int]]:
+        engine = AsyncLLMEngine.from_engine_args(args)
+        send = engine.core.add_requests
+
+        def recording(requests):
+            sent.append((len(requests), added[0]))
+            send(requests)
+
+        engine.core.add_requests = recording
+        try:
+            streams = []
+            for i, prompt in enumerate(prompts):  # one turn of the loop: add_request never suspends
+                streams.append(await engine.add_request(f"r{i}", prompt, params))
+                added[0] += 1
+
+            async def tokens(stream) -> list[int]:
+                return [t async for output in stream for t in output.outputs[0].delta_token_ids]
+
+            return await asyncio.gather(*(tokens(s) for s in streams))
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(burst()) == expected
+    assert sum(n for n, _ in sent) == len(prompts)
+    assert len(sent) >= 3 and max(n for n, _ in sent) <= 32
+    assert sent[0][1] < 32  # the first message left before the 32nd add_request returned

@@ -48,6 +48,10 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineLoad", "MIN_STEP_S_ENV", 
 
 # How often the event loop looks whether the core still lives (a killed core sends nothing).
 _LIVENESS_POLL_S = 0.1
+# Adds go to the core at the end of the loop's turn, or once this many wait: a burst admitted in one
+# turn (hundreds of requests) reaches the core in parts, and its first requests run while the API
+# process still admits the others.
+_ADDS_PER_MESSAGE = 32
 
 
 @dataclass(frozen=True)
@@ -214,7 +218,10 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._pending_adds += children
-        self._schedule_flush()
+        if len(self._pending_adds) >= _ADDS_PER_MESSAGE:
+            self._send_pending()
+        else:
+            self._schedule_flush()
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -295,8 +302,11 @@ class AsyncLLMEngine:
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        """Sends this turn's adds, then its aborts, each as one message."""
         self._flush_scheduled = False
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        """Sends the adds queued so far, then the aborts, each as one message."""
         adds, self._pending_adds = self._pending_adds, []
         aborts, self._pending_aborts = self._pending_aborts, []
         try:
