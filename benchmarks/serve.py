@@ -41,6 +41,7 @@ import gc
 import json
 import random
 import shlex
+import signal
 import statistics
 import math
 import os
@@ -625,4 +626,7 @@ def _pair(summary: dict[str, float | None]) -> str:
 
 
 if __name__ == "__main__":
+    # SIGTERM (a timeout, a job scheduler) unwinds like Ctrl-C, so the started server and the client
+    # processes are stopped instead of left running.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     main()

@@ -18,7 +18,7 @@ from novainfer import LLM, SamplingParams
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.engine.async_llm_engine import AsyncLLMEngine
 from novainfer.engine.core import EngineCore
-from novainfer.engine.core_client import CoreHandle, EngineDeadError
+from novainfer.engine.core_client import CoreClient, CoreHandle, EngineDeadError
 from novainfer.engine.core_proc import start_core_process
 from tests.utils import tiny_model
 
@@ -215,3 +215,58 @@ def test_a_burst_reaches_the_core_in_parts_while_it_is_admitted():
     assert sum(n for n, _ in sent) == len(prompts)
     assert len(sent) >= 3 and max(n for n, _ in sent) <= 32
     assert sent[0][1] < 32  # the first message left before the 32nd add_request returned
+
+
+def test_a_core_that_stops_reading_fails_sends_instead_of_blocking(tmp_path):
+    """A core that closed its end of the requests' socket while its process still runs (as it does
+    when it stops): a send to it raises EngineDeadError after a short grace instead of blocking the
+    caller (the API server's event loop) for good."""
+    import threading
+    import time
+
+    import zmq
+
+    from novainfer.engine.core import EngineCoreInfo
+    from novainfer.engine.serial import CoreReady, core_message_encoder
+
+    config = EngineArgs(model=str(tiny_model()), kv_cache_memory_bytes=KV_BYTES).create_engine_config()
+    channel = (f"ipc://{tmp_path / 'in'}", f"ipc://{tmp_path / 'out'}")
+    context = zmq.Context()
+    requests, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    for sock in (requests, outputs):
+        sock.setsockopt(zmq.LINGER, 0)
+    requests.connect(channel[0])
+    outputs.connect(channel[1])
+    outputs.send(core_message_encoder.encode(CoreReady(EngineCoreInfo(num_blocks=64, block_size=16))))
+    # This process stands for the core, so it stays alive throughout.
+    client = CoreClient(config, name="stopped", attached=CoreHandle(config, channel, os.getpid()))
+    client.abort_requests(["while it reads"])
+    assert requests.recv()  # the core got it
+    requests.close()
+    raised: list[BaseException] = []
+
+    def send() -> None:
+        # The sends right after the close may still go into the pipe being torn down (lost with it).
+        deadline = time.monotonic() + 5
+        try:
+            while time.monotonic() < deadline:
+                client.abort_requests(["after it stopped reading"])
+                time.sleep(0.01)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            raised.append(exc)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    sender.join(timeout=10)
+    if sender.is_alive():  # no clean-up: it would wait for the blocked send's lock
+        pytest.fail("the send blocked")
+    try:
+        assert len(raised) == 1 and isinstance(raised[0], EngineDeadError), raised
+        assert "stopped reading requests" in str(raised[0])
+        assert not client.is_alive()
+        with pytest.raises(EngineDeadError):
+            client.add_requests([])
+    finally:
+        client.shutdown()
+        outputs.close()
+        context.term()

@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 _LIVENESS_POLL_MS = 100
 # Shutdown: how long the core gets to stop by itself, then after SIGTERM, before SIGKILL.
 _STOP_GRACE_S = 5.0
+# How long a send waits for a core that closed its end of the requests' socket to exit.
+_NO_PEER_GRACE_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -164,15 +166,23 @@ class CoreClient:
         if self.dead_error is not None:
             raise self.dead_error
         with self._send_lock:
-            try:
-                # A PUSH socket without a peer would block: that only happens once the core is gone.
-                self._input.send(frame, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                if self.is_alive():
-                    self._input.send(frame, copy=False)
+            # The queue has no bound, so a send finds no room only when the PUSH socket has no peer:
+            # once the core has closed its end, which it does only as it stops. A blocking send would
+            # then wait forever (and with it the event loop that called it, deaf even to SIGTERM):
+            # the core gets a short grace to exit or reconnect, and otherwise counts as dead.
+            deadline = time.monotonic() + _NO_PEER_GRACE_S
+            while True:
+                try:
+                    self._input.send(frame, zmq.NOBLOCK, copy=False)
                     return
-                self._die(self._exit_description())
-                raise self.dead_error from None
+                except zmq.Again:
+                    pass
+                alive = self.is_alive()
+                if not alive or time.monotonic() >= deadline:
+                    self._die(f"stopped reading requests (pid {self.pid} still running)" if alive
+                              else self._exit_description())
+                    raise self.dead_error from None
+                self._input.poll(_LIVENESS_POLL_MS, zmq.POLLOUT)
 
     # ---- receiving ---------------------------------------------------------------------------
     def is_alive(self) -> bool:
