@@ -164,6 +164,30 @@ def test_20000_stop_strings_are_a_400(alice, path, body):
     assert alice.post(path, json={**body, "stop": [f"s{i}" for i in range(16)]}).status_code == 200
 
 
+# ---- 2b. a huge or malformed list is refused at its size or its first bad element, in one error -------------
+HUGE_LIST_CASES = [
+    ("/v1/completions", {**COMP, "prompt": [[5] * 10] * 200_000}, "prompt", "at most 64"),
+    ("/v1/completions", {**COMP, "prompt": ["ab"] * 200_000}, "prompt", "at most 64"),
+    ("/v1/completions", {**COMP, "prompt": [5] * 2_000_000}, "prompt", "at most 1048576"),
+    ("/v1/completions", {**COMP, "prompt": [5] * 100_000 + ["x"]}, "prompt", "token 100000 of the prompt"),
+    ("/v1/completions", {**COMP, "prompt": [[1, 2], [3, "x"]]}, "prompt", "token 1 of prompt 1"),
+    ("/v1/completions", {**COMP, "prompt": ["ok", [1]]}, "prompt", "element 1 is not a string"),
+    ("/v1/completions", {**COMP, "stop": list(range(200_000))}, "stop", "at most 16"),
+    ("/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "image"}] * 200_000}]}, "messages", "1024"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,says", HUGE_LIST_CASES,
+                         ids=[f"{c[0]}:{c[2]}:{c[3]}" for c in HUGE_LIST_CASES])
+def test_huge_or_malformed_lists_are_one_clear_400(alice, path, body, param, says):
+    """Each element of such a list used to be reported once for each form the field may take (a
+    million errors for a few megabytes of JSON, seconds of the event loop)."""
+    error = assert_openai_error(alice.post(path, json=body), 400)
+    assert error["param"].startswith(param), error
+    assert says in error["message"] and "more error" not in error["message"], error["message"]
+
+
 # ---- 3. sessions belong to their principal -----------------------------------------------------------------
 def chat_turn(client: httpx.Client, session_id: str, text: str) -> dict:
     response = client.post("/v1/chat/completions", json={
@@ -211,6 +235,7 @@ SURROGATE_CASES = [
     ("/v1/chat/completions", {**CHAT, "session_id": "\ud800"}, "session_id"),
     ("/v1/completions", {**COMP, "prompt": "\ud800"}, "prompt"),
     ("/v1/completions", {**COMP, "prompt": ["fine", "\udc00"]}, "prompt[1]"),
+    ("/v1/completions", {**COMP, "prompt": [[1, 2], [3, "\ud800"]]}, "prompt[1][1]"),
     ("/v1/completions", {**COMP, "stop": "\ud800"}, "stop"),
     ("/tokenize", {"prompt": "\ud800"}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),

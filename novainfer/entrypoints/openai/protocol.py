@@ -12,7 +12,7 @@ import re
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.sampling_params import MAX_LOGPROBS
@@ -23,6 +23,8 @@ from novainfer.sampling_params import MAX_LOGPROBS
 MAX_N = 64  # completions per prompt (n, best_of); admission control also counts n
 MAX_MESSAGES = 1024  # messages of one chat request
 MAX_PROMPTS = 64  # prompts of one completion request
+MAX_PROMPT_TOKEN_IDS = 1 << 20  # token ids of one prompt (the model's context bounds it further)
+MAX_CONTENT_PARTS = 1024  # parts of one chat message's content
 MAX_STOP_STRINGS = 16  # OpenAI allows 4
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -44,17 +46,75 @@ def check_unicode(value: Any, path: str = "") -> None:
     JSON may escape one (``"\\ud800"``) and Python's decoder keeps it, but it is not a character:
     it cannot be encoded, tokenized or logged.
     """
+    found = _lone_surrogate_at(value)
+    if found is None:
+        return
+    for key in found:
+        path = _json_path(path, key)
+    raise OpenAIError(f"'{path or 'body'}' holds invalid Unicode (a lone surrogate code point)",
+                      param=path or None, code="invalid_unicode")
+
+
+def _lone_surrogate_at(value: Any) -> list[Any] | None:
+    """The keys and indices leading to the first string holding a lone surrogate, or None. The path
+    is built only for that string, and numbers are skipped without a call: a body may hold millions
+    of token ids, which a walk that called itself and formatted a path for each took a second on."""
     if isinstance(value, str):
-        if _SURROGATE.search(value):
-            raise OpenAIError(f"'{path or 'body'}' holds invalid Unicode (a lone surrogate code point)",
-                              param=path or None, code="invalid_unicode")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_unicode(key, _json_path(path, "<key>"))
-            check_unicode(item, _json_path(path, key))
+        return [] if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        items = value.items()
     elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return ["<key>"]
+        if type(item) in _SCALARS:
+            continue
+        found = _lone_surrogate_at(item)
+        if found is not None:
+            return [key, *found]
+    return None
+
+
+_SCALARS = (int, float, bool, type(None))
+
+
+def _prompt_shape(value: Any) -> Any:
+    """Checks a list prompt's shape and size in one pass that stops at its first bad element. Left to
+    the union of the prompt's forms, a list that fits none of them is reported element by element
+    for each form (a million errors for a hostile list of a million elements: seconds of the
+    server's event loop) before the error even names the problem."""
+    if not isinstance(value, list) or not value:
+        return value
+    first = value[0]
+    if type(first) is int:
+        _check_token_ids(value, "the prompt")
+        return value
+    if len(value) > MAX_PROMPTS:
+        raise ValueError(f"a list of prompts holds at most {MAX_PROMPTS}, got {len(value)}")
+    if isinstance(first, str):
+        bad = next((i for i, item in enumerate(value) if not isinstance(item, str)), None)
+        if bad is not None:
+            raise ValueError(f"element {bad} is not a string, as element 0 is")
+    elif isinstance(first, list):
         for index, item in enumerate(value):
-            check_unicode(item, _json_path(path, index))
+            if not isinstance(item, list):
+                raise ValueError(f"element {index} is not a list of token ids, as element 0 is")
+            _check_token_ids(item, f"prompt {index}")
+    else:
+        raise ValueError("a prompt is a string, a list of token ids (integers), or a list of up to "
+                         f"{MAX_PROMPTS} of either")
+    return value
+
+
+def _check_token_ids(ids: list[Any], what: str) -> None:
+    if len(ids) > MAX_PROMPT_TOKEN_IDS:
+        raise ValueError(f"{what} has {len(ids)} token ids; at most {MAX_PROMPT_TOKEN_IDS} are accepted")
+    bad = next((i for i, token in enumerate(ids) if type(token) is not int), None)
+    if bad is not None:
+        raise ValueError(f"token {bad} of {what} is not an integer")
 
 
 class StrictModel(BaseModel):
@@ -85,6 +145,15 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart] | None = None
     name: ShortStr | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_parts_count(cls, content: Any) -> Any:
+        """Counted before the parts are validated: a long list of bad parts would be reported part
+        by part."""
+        if isinstance(content, list) and len(content) > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts are accepted, got {len(content)}")
+        return content
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -126,12 +195,19 @@ class SamplingFields(RequestModel):
 
     UNSUPPORTED_IF_SET: ClassVar[tuple[str, ...]] = ("logit_bias",)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_count(cls, stop: Any) -> Any:
+        """Counted before the types are checked: a long list of non-strings would be reported
+        element by element."""
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stop)}")
+        return stop
+
     @field_validator("stop")
     @classmethod
-    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+    def _stop_lengths(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}")
         bad = next((s for s in stops if not 1 <= len(s) <= MAX_STOP_STRING_CHARS), None)
         if bad is not None:
             raise ValueError(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters, got one of "
@@ -185,8 +261,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | list[int] | \
-        Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)] = Field(
+    prompt: Annotated[str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | list[int] |
+                      Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)],
+                      BeforeValidator(_prompt_shape)] = Field(
             ..., description="text (special-token text in it is parsed as such), token ids, or a list of either")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
