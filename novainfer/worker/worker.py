@@ -31,6 +31,7 @@ from novainfer.distributed import (
 )
 from novainfer.sample import SamplerOutput
 from novainfer.worker.draft_proposer import CatchUp, DraftModelProposer
+from novainfer.worker.host_memory import keep_freed_host_memory
 from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput, SequenceInput
 from novainfer.worker.step_broadcast import StepBroadcast
 
@@ -100,6 +101,8 @@ class Worker:
         if device.type == "cuda":
             device = torch.device("cuda", parallel.tensor_parallel_device_ids[self.local_rank])
             torch.cuda.set_device(device)
+        elif device.type == "cpu":
+            keep_freed_host_memory()  # activations reuse freed host memory instead of mapping it anew each step
         self.device = device
         torch.manual_seed(self.config.model_config.seed)
         self.tp_group = init_tensor_parallel_group(parallel, self.rank, device, self.distributed_init_method or "")
