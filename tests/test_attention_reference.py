@@ -323,3 +323,25 @@ def test_prompt_chunks_are_grouped_with_bounded_padding(seed):
         padded = len(group) * query_lens[group].max() * seq_lens[group].max()
         assert padded <= 2 * (query_lens[group] * seq_lens[group]).sum()
     assert len(groups) < 20
+
+
+def test_decodes_of_very_different_lengths_are_grouped_with_bounded_padding():
+    """Decodes whose contexts range from a few tokens to a few hundred are attended in groups whose
+    padded keys are at most twice the keys they need (one group padded every context to the
+    longest), and each still equals naive attention."""
+    block_size, gen = 4, torch.Generator().manual_seed(7)
+    lengths = [3, 300, 5, 280, 9, 150, 2, 310, 140, 6]
+    seqs = [make_seq(n, 2, gen) for n in lengths]
+    tables, num_blocks = shuffled_tables(lengths, block_size, random.Random(5))
+    cache = new_cache(num_blocks, block_size)
+    for seq, n, table in zip(seqs, lengths, tables):
+        write_prefix(cache, seq, table, n - 1, block_size)
+    outs = run_step(cache, [(seq, n - 1, 1, table) for seq, n, table in zip(seqs, lengths, tables)], block_size)
+    for seq, n, out in zip(seqs, lengths, outs):
+        torch.testing.assert_close(out.double(), naive_attention(seq, range(n - 1, n)), rtol=0, atol=ATOL)
+    metadata = build_metadata([(n - 1, 1, table) for n, table in zip(lengths, tables)], block_size)
+    groups = metadata.backend_data.groups
+    assert len(groups) > 1
+    for group in groups:
+        needed = sum(lengths[i] for i in group.token_index.tolist())
+        assert group.num_seqs * group.key_slots.shape[1] <= 2 * needed, (group.num_seqs, group.key_slots.shape)

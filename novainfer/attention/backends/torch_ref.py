@@ -106,7 +106,10 @@ class TorchReferenceBackend(AttentionBackend):
             stored_rows = torch.nonzero(metadata.slot_mapping >= 0).flatten()
         else:
             query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
-        groups = [np.flatnonzero(query_lens == 1),
+        # Decodes and prompt chunks apart, each by size: one decode group padded every sequence's
+        # context to the longest, and with prompts of a few dozen to a few thousand tokens that
+        # gathered and attended several times the keys the step needs.
+        groups = [*_similar_size_groups(np.flatnonzero(query_lens == 1), query_lens, seq_lens),
                   *_similar_size_groups(np.flatnonzero(query_lens > 1), query_lens, seq_lens)]
         metadata.backend_data = _TorchPlan(
             [_build_group(metadata, query_lens, seq_lens, seqs) for seqs in groups if len(seqs)], stored_rows)
