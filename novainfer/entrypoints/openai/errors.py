@@ -103,6 +103,8 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         names = ", ".join(f"'{u}'" for u in unknown)
         return OpenAIError(f"unknown field(s) {names}: not part of this endpoint's request", param=unknown[0],
                            code="unknown_field")
+    if kind == "value_error":  # our validators' own sentences, without pydantic's label
+        msg = msg.removeprefix("Value error, ")
     path = _field_path(field_loc) or str(where or "request")
     top = next((str(item) for item in field_loc if not isinstance(item, int)), path)
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
