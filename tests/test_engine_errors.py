@@ -90,6 +90,11 @@ def test_out_of_vocab_or_non_int_token_id(llm, vocab_size, good_prompt, expected
 def test_bad_prompt_types(llm, good_prompt, expected):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate({"text": "hello"}, GREEDY, use_tqdm=False)
+    for not_prompts in (None, 42):
+        with pytest.raises(TypeError, match=f"prompts must be .*got {type(not_prompts).__name__}"):
+            llm.generate(not_prompts, GREEDY, use_tqdm=False)
+    # Any iterable of prompts is a batch.
+    assert len(llm.generate((p for p in ["hello", "there"]), GREEDY, use_tqdm=False)) == 2
     with pytest.raises(TypeError, match="prompt"):
         llm.llm_engine.add_request("bad-type", 3.5, GREEDY)
     with pytest.raises(TypeError, match="sampling_params"):

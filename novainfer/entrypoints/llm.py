@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from novainfer.engine.arg_utils import EngineArgs
@@ -45,6 +45,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
+        elif not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a string, a prompt dict, a list of token ids, or a list of "
+                            f"these; got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
