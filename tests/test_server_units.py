@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -553,3 +554,39 @@ def test_sse_response_task_cancelled_from_outside_stays_cancelled():
         assert sorted(closed) == ["body", "on_close"]
 
     asyncio.run(main())
+
+
+def test_api_server_processes_are_ready_only_together(tmp_path):
+    """One of several API server processes that has attached to its engine core still reports
+    'loading' until every other one has too (they share the listening socket, so a client may reach
+    any of them), and then turns ready."""
+    from novainfer.engine.core_client import CoreHandle
+    from novainfer.engine.core_proc import start_core_process
+    from novainfer.entrypoints.openai.served_models import LoadState, ModelSpec, ReadyBarrier
+
+    args = EngineArgs(model=str(tiny_model()), kv_cache_memory_bytes=8 << 20)
+    config = args.create_engine_config()
+    channel = (f"ipc://{tmp_path / 'in'}", f"ipc://{tmp_path / 'out'}")
+    process = start_core_process(config, [channel], "tiny", log_stats_interval=5.0)
+    ready_dir = tmp_path / "ready"
+    ready_dir.mkdir()
+    registry = ModelRegistry([ModelSpec("tiny", args)], cores={"tiny": CoreHandle(config, channel, process.pid)},
+                             ready_barrier=ReadyBarrier(str(ready_dir), 0, 2))
+    try:
+        registry.load_in_background()
+        deadline = time.monotonic() + 60
+        while not (ready_dir / "0").exists():  # attached: it marked itself ready
+            assert time.monotonic() < deadline, "the registry never attached to its core"
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert registry.state == LoadState.LOADING
+        assert registry.health() == (False, "the server is loading its model(s)")
+        ReadyBarrier(str(ready_dir), 1, 2).arrive()  # the other API server process has its models
+        while registry.state != LoadState.READY:
+            assert time.monotonic() < deadline, "the registry never turned ready"
+            time.sleep(0.02)
+        assert registry.health() == (True, "ok")
+    finally:
+        registry.shutdown()
+        process.kill()
+        process.join()

@@ -34,7 +34,7 @@ from novainfer.entrypoints.openai.protocol import ChatCompletionRequest, ChatCom
     CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, \
     HealthResponse, ModelCard, ModelList, SessionCreateRequest, SessionDeleted, SessionDetail, SessionInfo, \
     SessionList, TokenizeRequest, TokenizeResponse, VersionResponse
-from novainfer.entrypoints.openai.served_models import ModelRegistry
+from novainfer.entrypoints.openai.served_models import ModelRegistry, ReadyBarrier
 from novainfer.entrypoints.openai.serving_chat import ChatHandler, messages_chars, plain_messages, tokenize_chat
 from novainfer.entrypoints.openai.serving_common import ServerContext, check_before_tokenizing, principal_of
 from novainfer.entrypoints.openai.serving_completion import CompletionHandler
@@ -198,7 +198,9 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
     config = config or ServerConfig(models=registry.specs)
     owns_registry = registry is None
     shared = config.shared
-    registry = registry or ModelRegistry(config.models, cores=shared.cores if shared is not None else None)
+    if registry is None:
+        registry = ModelRegistry(config.models) if shared is None else ModelRegistry(
+            config.models, cores=shared.cores, ready_barrier=ReadyBarrier(shared.ready_dir, shared.index, shared.count))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

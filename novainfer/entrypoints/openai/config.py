@@ -20,6 +20,7 @@ class SharedServing:
     cores: dict[str, CoreHandle]  # per served model: the engine core this process attaches to
     metrics_dir: str  # where each process keeps its metrics, summed at a scrape
     session_address: str  # the supervisor's session service (a ZMQ address)
+    ready_dir: str  # where each process marks itself ready (see served_models.ReadyBarrier)
 
 
 @dataclass

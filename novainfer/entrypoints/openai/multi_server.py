@@ -91,14 +91,15 @@ class Supervisor:
     def start(self, sock: socket.socket) -> None:
         self.sessions = start_session_service(self.config.max_sessions, self.config.session_ttl_s)
         handles = self._start_cores()
-        metrics_dir = Path(self._dir) / "metrics"
+        metrics_dir, ready_dir = Path(self._dir) / "metrics", Path(self._dir) / "ready"
         metrics_dir.mkdir()
+        ready_dir.mkdir()
         levels = {name: logging.getLogger(name).getEffectiveLevel() for name in _LOGGERS}
         context = multiprocessing.get_context("spawn")
         count = self.config.api_server_count
         for i in range(count):
             cores = {name: model_handles[i] for name, model_handles in handles.items()}
-            shared = SharedServing(i, count, cores, str(metrics_dir), self.sessions.address)
+            shared = SharedServing(i, count, cores, str(metrics_dir), self.sessions.address, str(ready_dir))
             server = context.Process(target=_serve_one, name=f"novainfer-api-server-{i}", daemon=False,
                                      args=(dataclasses.replace(self.config, shared=shared), sock, levels))
             server.start()

@@ -55,6 +55,9 @@ def check_unicode(value: Any, path: str = "") -> None:
                       param=path or None, code="invalid_unicode")
 
 
+_SCALARS = (int, float, bool, type(None))
+
+
 def _lone_surrogate_at(value: Any) -> list[Any] | None:
     """The keys and indices leading to the first string holding a lone surrogate, or None. The path
     is built only for that string, and numbers are skipped without a call: a body may hold millions
@@ -77,8 +80,6 @@ def _lone_surrogate_at(value: Any) -> list[Any] | None:
             return [key, *found]
     return None
 
-
-_SCALARS = (int, float, bool, type(None))
 
 
 def _prompt_shape(value: Any) -> Any:

@@ -12,9 +12,11 @@ import enum
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from novainfer.engine.arg_utils import EngineArgs
@@ -31,6 +33,8 @@ T = TypeVar("T")
 
 # The most characters (or tokens to decode) tokenized on the event loop itself.
 INLINE_TOKENIZER_SIZE = 4096
+# How often an API server process that has its models looks whether the others have theirs.
+_PEER_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,24 @@ def _resolve_encode_jobs(futures: list[asyncio.Future], results: list[list[list[
             future.set_result(result)
 
 
+@dataclass(frozen=True)
+class ReadyBarrier:
+    """Makes the API server processes of one server ready together. They share one listening socket,
+    so any of them may take any connection: one still attaching to its engine core answered 503
+    ("loading") right after another had answered /health with 200. Each marks itself ready with a
+    file in ``directory``, and counts as ready once all ``count`` have."""
+
+    directory: str
+    index: int
+    count: int
+
+    def arrive(self) -> None:
+        Path(self.directory, str(self.index)).touch()
+
+    def all_arrived(self) -> bool:
+        return all(Path(self.directory, str(i)).exists() for i in range(self.count))
+
+
 class LoadState(enum.Enum):
     LOADING = "loading"
     READY = "ready"
@@ -144,7 +166,8 @@ class ModelRegistry:
     """The served models by name. With ``cores`` (one of several API server processes) each
     model's engine core was started by the supervisor process, and loading attaches to it."""
 
-    def __init__(self, specs: list[ModelSpec], cores: dict[str, CoreHandle] | None = None) -> None:
+    def __init__(self, specs: list[ModelSpec], cores: dict[str, CoreHandle] | None = None,
+                 ready_barrier: ReadyBarrier | None = None) -> None:
         if not specs:
             raise ValueError("at least one model must be served")
         names = [s.name for s in specs]
@@ -153,6 +176,7 @@ class ModelRegistry:
             raise ValueError(f"served model names must be unique, got {duplicates} more than once")
         self.specs = specs
         self.cores = cores
+        self.ready_barrier = ready_barrier
         self.names = names
         self._models: dict[str, ServedModel] = {}
         self.state = LoadState.LOADING
@@ -198,6 +222,8 @@ class ModelRegistry:
                     else AsyncLLMEngine.from_engine_args(spec.engine_args, name=spec.name)
                 self._models[spec.name] = self._serve(spec.name, engine)
                 logger.info("model '%s' ready", spec.name)
+            if self.ready_barrier is not None:
+                self._wait_for_peers(self.ready_barrier)
         except Exception as exc:
             logger.exception("loading the models failed")
             self.error = f"{type(exc).__name__}: {exc}"
@@ -207,6 +233,12 @@ class ModelRegistry:
             self.state = LoadState.READY
         else:  # stopped while loading
             self.shutdown()
+
+    def _wait_for_peers(self, barrier: ReadyBarrier) -> None:
+        """Until every API server process has its models (or this registry stops)."""
+        barrier.arrive()
+        while not barrier.all_arrived() and self.state == LoadState.LOADING:
+            time.sleep(_PEER_POLL_S)
 
     def load_in_background(self, on_failure: Callable[[str], None] | None = None) -> None:
         def run() -> None:
