@@ -74,3 +74,12 @@ def test_a_subset_of_a_step_is_the_message_of_those_requests_alone(keep):
     assert subset.logprobs_blocks == EngineCoreOutputs.from_outputs([MIXED_STEP[i] for i in keep], None,
                                                                     0.0).logprobs_blocks
     assert subset.stats == stats and subset.timestamp == 2.0
+
+
+@pytest.mark.parametrize("keep", [[0], [1], [0, 1, 2]])
+def test_a_subset_keeps_each_requests_tokens_when_their_count_equals_the_requests(keep):
+    """As many tokens as requests without one each (an aborted request beside an accepted draft)."""
+    step = [EngineCoreOutput("aborted", [], finish_reason="abort"), EngineCoreOutput("accepted", [5, 6]),
+            EngineCoreOutput("decoding", [7])]
+    subset = _through_wire(EngineCoreOutputs.from_outputs(step, None, 1.0).subset(keep))
+    assert _rows(subset) == [step[i] for i in keep]

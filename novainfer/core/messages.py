@@ -129,7 +129,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     def subset(self, keep: list[int]) -> EngineCoreOutputs:
         """The outputs of requests ``keep`` (ascending indices into ``request_ids``) as a message of
         their own, with this step's stats and timestamp: what one of several front-ends gets."""
-        if len(self.token_ids) == len(self.request_ids):  # one token each (most steps): token i is request i's
+        if self.num_new_tokens.count(1) == len(self.request_ids):  # one token each (most steps): token i is request i's
             token_ids = [self.token_ids[i] for i in keep]
         else:
             starts = list(itertools.accumulate(self.num_new_tokens, initial=0))
