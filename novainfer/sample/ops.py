@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from novainfer.layers.ops.launcher import KernelLauncher
 from novainfer.sample import rng, topk
 from novainfer.sample.kernel_args import stand_in
 from novainfer.sample.metadata import SamplingMetadata
@@ -68,13 +69,16 @@ def _exponential_noise_kernel(keys_ptr, token_ids_ptr, out_ptr, width, stride_id
     tl.store(out_ptr + row * stride_out + cols, _exponential(key, ids), mask=mask)
 
 
+_launch_exponential_noise = KernelLauncher(_exponential_noise_kernel)
+
+
 def exponential_noise_triton(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """As :func:`novainfer.sample.rng.exponential_noise`: ``keys`` [B], ``token_ids`` [B, W] or [W]."""
     token_ids = token_ids.contiguous()
     width = token_ids.shape[-1]
     out = torch.empty(keys.shape[0], width, dtype=torch.float32, device=keys.device)
     block = 1024
-    _exponential_noise_kernel[(keys.shape[0], triton.cdiv(width, block))](
+    _launch_exponential_noise[(keys.shape[0], triton.cdiv(width, block))](
         keys.contiguous(), token_ids, out, width, token_ids.stride(0) if token_ids.dim() == 2 else 0, out.stride(0),
         BLOCK=block)
     return out
@@ -138,6 +142,9 @@ def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
     tl.store(best_token_ptr + out, chunk.to(tl.int64) * BLOCK + best)
 
 
+_launch_draw = KernelLauncher(_draw_kernel)
+
+
 def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor | None,
                           with_lse: bool, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per row of ``logits`` [B, V] (any float dtype), in one pass: min_tokens mask and
@@ -175,7 +182,7 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     counts_table = stand_in(counts, torch.int32, device)
     frequency_values = stand_in(frequency, torch.float32, device)
     presence_values = stand_in(presence, torch.float32, device)
-    _draw_kernel[(batch_size, num_chunks)](
+    _launch_draw[(batch_size, num_chunks)](
         logits, logits.stride(0), vocab_size, num_chunks, temperature, temperature.stride(0), greedy,
         stand_in(keys, torch.int64, device),
         int(stop is not None), stop_table, stop_table.stride(0),
@@ -188,7 +195,7 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
         enable_fp_fusion=False, num_warps=8)
     tokens = torch.empty(batch_size, dtype=torch.int64, device=device)
     lse = torch.empty(batch_size, dtype=torch.float32, device=device) if with_lse else best_score
-    _combine_chunks_kernel[(batch_size,)](best_score, best_token, chunk_max, chunk_sum, num_chunks, tokens, lse,
+    _launch_combine_chunks[(batch_size,)](best_score, best_token, chunk_max, chunk_sum, num_chunks, tokens, lse,
                                           CHUNKS=triton.next_power_of_2(num_chunks), LSE=with_lse)
     return tokens, lse if with_lse else None
 
@@ -261,6 +268,9 @@ def _nucleus_kernel(logits_ptr, stride_logits, vocab_size, temperature_ptr, stri
     tl.store(tokens_ptr + row, token)
 
 
+_launch_nucleus = KernelLauncher(_nucleus_kernel)
+
+
 def draw_nucleus(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor, block: int = 4096,
                  pass_block: int = 8192) -> torch.Tensor:
     """One token [B] int64 per row of ``logits`` [B, V] (any float dtype; min_tokens and penalties
@@ -273,7 +283,7 @@ def draw_nucleus(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.T
     greedy = metadata.is_greedy.contiguous().view(torch.uint8)
     tokens, _ = _draw(logits, metadata.temperature, greedy, keys, None, None, metadata.repetition_penalties, None,
                       None, None, False, block)
-    _nucleus_kernel[(logits.shape[0],)](
+    _launch_nucleus[(logits.shape[0],)](
         logits, logits.stride(0), logits.shape[1], metadata.temperature, metadata.temperature.stride(0),
         metadata.top_p, metadata.top_p.stride(0), metadata.min_p, metadata.min_p.stride(0), greedy, keys, tokens,
         # One program walks a whole row: wide chunks keep more of it in flight (8,192 logits on 16
@@ -320,6 +330,9 @@ def _draw_candidates_kernel(values_ptr, ids_ptr, stride_candidates, num_candidat
         tl.store(tokens_ptr + row, tl.load(ids_ptr + base + choice))
 
 
+_launch_draw_candidates = KernelLauncher(_draw_candidates_kernel)
+
+
 def draw_candidates(values: torch.Tensor, ids: torch.Tensor, metadata: SamplingMetadata,
                     keys: torch.Tensor) -> torch.Tensor:
     """One token [B] int64 per row from its candidates, the ``values`` [B, k] (float32, descending)
@@ -331,7 +344,7 @@ def draw_candidates(values: torch.Tensor, ids: torch.Tensor, metadata: SamplingM
     :mod:`novainfer.sample.rng`): the tokens of Sampler._sample's torch stages for the same noise."""
     batch_size, num_candidates = values.shape
     tokens = torch.empty(batch_size, dtype=torch.int64, device=values.device)
-    _draw_candidates_kernel[(batch_size,)](
+    _launch_draw_candidates[(batch_size,)](
         values, ids, values.stride(0), num_candidates, metadata.temperature, metadata.temperature.stride(0),
         metadata.top_k, metadata.top_k.stride(0), int(not metadata.no_top_p), metadata.top_p,
         metadata.top_p.stride(0), int(not metadata.no_min_p), metadata.min_p, metadata.min_p.stride(0),
@@ -388,3 +401,6 @@ def _combine_chunks_kernel(best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_
     tl.store(tokens_ptr + row, tl.load(best_token_ptr + row * num_chunks + best))
     if LSE:
         tl.store(lse_ptr + row, topk.combined_lse(chunk_max_ptr, chunk_sum_ptr, row, num_chunks, CHUNKS))
+
+
+_launch_combine_chunks = KernelLauncher(_combine_chunks_kernel)

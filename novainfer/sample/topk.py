@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from novainfer.layers.ops.launcher import KernelLauncher
 from novainfer.sample.kernel_args import stand_in
 
 # Widths the kernels are compiled for (each k is served by the smallest that holds it), so that
@@ -120,6 +121,9 @@ def _top_k_chunks_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, scra
     tl.store(out_ptr + program * K + tl.arange(0, K), top)
 
 
+_launch_top_k_chunks = KernelLauncher(_top_k_chunks_kernel)
+
+
 @triton.jit
 def _compacted_top_k(keys, threshold, scratch_ptr, K: tl.constexpr, CAP: tl.constexpr):
     """The ``K`` largest ``keys``, all at or above ``threshold``: the candidates are compacted into
@@ -164,6 +168,9 @@ def _top_k_merge_kernel(chunk_keys_ptr, width, k, values_ptr, ids_ptr, stride_ou
     out = tl.arange(0, K)
     tl.store(values_ptr + row * stride_out + first + out, values, mask=out < k)
     tl.store(ids_ptr + row * stride_out + first + out, ids, mask=out < k)
+
+
+_launch_top_k_merge = KernelLauncher(_top_k_merge_kernel)
 
 
 def kernel_width(k: int) -> int:
@@ -242,11 +249,11 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tenso
     float32s = [stand_in(t, torch.float32, device) for t in (sampled_logit, lse, chunk_max, chunk_sum)]
     greater = stand_in(greater, torch.int32, device)
     use_sampled, use_lse = int(mode is not None), int(chunk_max is not None)
-    _top_k_chunks_kernel[(batch_size, num_chunks)](
+    _launch_top_k_chunks[(batch_size, num_chunks)](
         logits, logits.stride(0), vocab_size, num_chunks, scratch, chunk_keys,
         use_sampled, int64s[0], float32s[0], greater, use_lse, float32s[2], float32s[3],
         BLOCK=block, K=width, GROUPS=groups, CAP=cap, TWO_PER_GROUP=two_per_group, num_warps=8)
-    _top_k_merge_kernel[(batch_size,)](
+    _launch_top_k_merge[(batch_size,)](
         chunk_keys, num_chunks * width, k if stored is None else stored, values, ids, values.stride(0),
         use_sampled, num_chunks, int64s[0], float32s[0], greater, int64s[1],
         int(lse is not None), float32s[1], float32s[2], float32s[3],
