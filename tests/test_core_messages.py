@@ -32,8 +32,8 @@ def _through_wire(message: EngineCoreOutputs) -> EngineCoreOutputs:
 
 
 # Logprob rows of two steps (width 2: the sampled token, then the top alternative).
-STEP = StepLogprobs(2, [33, 4, 31, 4, 32, 31], [-0.1, -2.0, -0.5, -1.5, -0.25, -0.7], [1, 2, 1])
-OTHER_STEP = StepLogprobs(2, [34, 34], [-0.3, -0.3], [1])
+STEP = StepLogprobs.of(2, [33, 4, 31, 4, 32, 31], [-0.1, -2.0, -0.5, -1.5, -0.25, -0.7], [1, 2, 1])
+OTHER_STEP = StepLogprobs.of(2, [34, 34], [-0.3, -0.3], [1])
 
 
 MIXED_STEP = [

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from novainfer.outputs import FlatLogprobs, Logprob, StepLogprobs, join_rows
+from novainfer.outputs import FlatLogprobs, Logprob, LogprobsWindow, StepLogprobs, join_rows
 
 
 def reference_position(ids: list[int], values: list[float], rank: int, texts: list) -> dict[int, Logprob]:
@@ -15,6 +16,11 @@ def reference_position(ids: list[int], values: list[float], rank: int, texts: li
     for position in range(1, len(ids)):
         entry.setdefault(ids[position], Logprob(values[position], position, texts[position]))
     return entry
+
+
+def as_float32(value: float) -> float:
+    """The value a float32 logprob reads back as (how the engine's logprobs travel)."""
+    return float(np.float32(value))
 
 
 def random_positions(seed: int, count: int) -> list[tuple]:
@@ -25,7 +31,7 @@ def random_positions(seed: int, count: int) -> list[tuple]:
         top = rng.sample(range(50), k)
         sampled = rng.choice(top) if top and rng.random() < 0.5 else rng.randrange(50)
         ids = [sampled] + top
-        values = [-rng.random() * 5 for _ in ids]
+        values = [as_float32(-rng.random() * 5) for _ in ids]
         rank = top.index(sampled) + 1 if sampled in top else rng.randint(k + 1, 40)
         positions.append((ids, values, rank))
     return positions
@@ -57,7 +63,7 @@ def test_reads_like_the_list_of_dicts(seed, texts_of):
 
 def _block(positions: list[tuple], width: int) -> StepLogprobs:
     """The rows of ``positions`` (each with at least ``width`` entries) as one step block."""
-    return StepLogprobs(width, [t for ids, _, _ in positions for t in ids[:width]],
+    return StepLogprobs.of(width, [t for ids, _, _ in positions for t in ids[:width]],
                         [v for _, values, _ in positions for v in values[:width]], [rank for _, _, rank in positions])
 
 
@@ -72,7 +78,7 @@ def test_rows_of_step_blocks_read_like_appending_each_position(asked):
     def position():
         top = rng.sample(range(50), width - 1)
         sampled = rng.choice(top) if rng.random() < 0.5 else rng.randrange(50)
-        return [sampled] + top, [-rng.random() * 5 for _ in range(width)], rng.randint(1, 40)
+        return [sampled] + top, [as_float32(-rng.random() * 5) for _ in range(width)], rng.randint(1, 40)
 
     mine = [position() for _ in range(9)]
     expected = FlatLogprobs(token_texts)
@@ -89,4 +95,45 @@ def test_rows_of_step_blocks_read_like_appending_each_position(asked):
     got.add_rows(join_rows((step3, 0, 2), (step4, 1, 3)), 0, 5)
     assert len(got) == 9 and got == expected and list(got) == list(expected)
     assert got[3:7] == expected[3:7] and got[-1] == expected[-1] and got[9:] == []
-    assert step1.sampled_logprobs(2, 3) == [values[0] for _, values, _ in mine[0:3]]
+    assert got.cumulative_logprob == pytest.approx(sum(values[0] for _, values, _ in mine))
+    assert got[3:7].cumulative_logprob == pytest.approx(sum(values[0] for _, values, _ in mine[3:7]))
+
+
+@pytest.mark.parametrize("read_every", [1, 3, 100], ids=["streamed", "read-now-and-then", "read-at-the-end"])
+def test_rows_through_a_window_read_like_rows_added_directly(monkeypatch, read_every):
+    """Three requests' rows through one LogprobsWindow (flushing every 4 steps, and at a change of
+    width) read exactly as the same rows added straight from each step's block, whenever they are
+    read; taking a streamed request's new positions each time gives back every position once, and
+    the cumulative logprob is the same sum to the last bit."""
+    monkeypatch.setattr(LogprobsWindow, "MAX_BLOCKS", 4)
+    rng = random.Random(read_every)
+    window = LogprobsWindow()
+    asked = [5, 2, 0]
+    direct = [FlatLogprobs(token_texts, max_alternatives=a) for a in asked]
+    windowed = [FlatLogprobs(token_texts, max_alternatives=a) for a in asked]
+    taken = [[] for _ in asked]
+    for step in range(23):
+        width = 6 if step < 15 else 7  # a wider step block from step 15 on
+        counts = [rng.choice([1, 1, 1, 3]) for _ in asked]
+        rows = [(rng.sample(range(50), width), [as_float32(-rng.random() * 5) for _ in range(width)], rng.randint(1, 40))
+                for _ in range(sum(counts) + 2)]  # two rows of other requests first
+        block = _block(rows, width)
+        first_window_row = window.add(block)
+        first = 2
+        for request, count in enumerate(counts):
+            direct[request].add_rows(block, first, count)
+            windowed[request].add_window_rows(window, first_window_row + first, count)
+            first += count
+        if step % read_every == 0:
+            taken[0].append(windowed[0].take())
+            assert windowed[1][:] == direct[1]
+    assert windowed[1] == direct[1] and windowed[2] == direct[2] and len(windowed[2]) == len(direct[2])
+    assert windowed[2][5:40] == direct[2][5:40] and windowed[2][-1] == direct[2][-1]
+    taken[0].append(windowed[0].take())
+    assert [position for part in taken[0] for position in part] == list(direct[0]) and len(windowed[0]) == 0
+    for request in range(3):
+        assert windowed[request].cumulative_logprob == direct[request].cumulative_logprob
+        expected = 0.0
+        for position in direct[request]:
+            expected += next(iter(position.values())).logprob  # the sampled token comes first
+        assert direct[request].cumulative_logprob == expected

@@ -152,6 +152,6 @@ def test_logprobs_travel_with_their_token(first_row):
     scheduler = make_scheduler()
     add(scheduler, "a", 4, max_tokens=1, ignore_eos=True)
     _, (rids, tokens) = FakeRunner().schedule(scheduler)
-    block = StepLogprobs(2, [5, 1, 7, 3], [-0.1, -2.0, -0.5, -1.5], [1, 1])
+    block = StepLogprobs.of(2, [5, 1, 7, 3], [-0.1, -2.0, -0.5, -1.5], [1, 1])
     [out] = scheduler.update_from_output(rids, tokens, block, [first_row])
     assert out.new_logprobs == (None if first_row < 0 else (block, 1))

@@ -200,7 +200,7 @@ def test_scheduler_applies_accepted_tokens_one_by_one_and_takes_back_rejected_dr
     assert so.num_scheduled_tokens == {"stops": 5, "goes-on": 5}
     assert so.scheduled_spec_decode_tokens == {"stops": [21, 99, 23, 24], "goes-on": [21, 99, 23, 24]}
     going_on = scheduler.requests["goes-on"]
-    block = StepLogprobs(1, [21, 99, 23, 30], [-0.5, -0.25, -1.0, -2.0], [1, 1, 1, 1])
+    block = StepLogprobs.of(1, [21, 99, 23, 30], [-0.5, -0.25, -1.0, -2.0], [1, 1, 1, 1])
     stopped, went_on = scheduler.update_from_output(["stops", "goes-on"], [[21, 99, 23, 30], [21, 30]], block,
                                                     [0, -1], num_verified_drafts=[4, 4])
     assert stopped.new_token_ids == [21, 99] and stopped.finish_reason == "stop" and stopped.stop_reason == 99

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from novainfer.engine.detokenizer import TokenTexts
 from novainfer.engine.output_text import OutputTextState
-from novainfer.outputs import CompletionOutput, FlatLogprobs, RequestMetrics, RequestOutput, StepLogprobs
+from novainfer.outputs import CompletionOutput, FlatLogprobs, LogprobsWindow, RequestMetrics, RequestOutput
 from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -26,7 +26,6 @@ class ChildState:
     params: SamplingParams
     text: OutputTextState | None  # None when the request is not detokenized
     logprobs: FlatLogprobs | None
-    cumulative_logprob: float | None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -63,6 +62,7 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
+        self.logprobs_window = LogprobsWindow()  # the steps' logprob rows until their sequences copy them
         self.parents: dict[str, ParentState] = {}
         self.children: dict[str, tuple[ParentState, ChildState]] = {}
         self.finished_requests_total: Counter = Counter()  # sequences, by finish reason
@@ -87,8 +87,7 @@ class OutputProcessor:
             logprobs = None
             if params.logprobs is not None:  # token texts only where the text is detokenized
                 logprobs = FlatLogprobs(self.token_texts if text is not None else None, params.logprobs)
-            child = ChildState(request.request_id, index, params, text, logprobs,
-                               0.0 if logprobs is not None else None)
+            child = ChildState(request.request_id, index, params, text, logprobs)
             parent.children.append(child)
             self.children[request.request_id] = (parent, child)
         self.parents[parent_id] = parent
@@ -126,10 +125,10 @@ class OutputProcessor:
         # The sparse columns by request index (most steps have none: decode steps without logprobs).
         finished = dict(zip(m.finished, zip(m.finish_reasons, m.stop_reasons))) if m.finished else {}
         started = dict(zip(m.started, zip(m.num_cached_tokens, m.first_scheduled_times))) if m.started else {}
-        logprobs = {}  # request index -> (block, row of its first new token)
-        if m.with_logprobs:
-            blocks = m.logprobs_blocks
-            logprobs = {index: (blocks[block], row)
+        # Request index -> the window row of its first new token's logprobs.
+        window = self.logprobs_window
+        first_rows = [window.add(block) for block in m.logprobs_blocks]
+        logprobs_row = {index: first_rows[block] + row
                         for index, block, row in zip(m.with_logprobs, m.logprobs_block_index, m.logprobs_rows)}
         children = self.children
         token_ids = m.token_ids
@@ -146,7 +145,9 @@ class OutputProcessor:
             if not child.token_ids:
                 self._start(parent, child, started.get(index), now)
             finish = finished.get(index)
-            self._apply(child, token_ids[start:end], logprobs.get(index), finish)
+            kept = self._apply(child, token_ids[start:end], finish)
+            if child.logprobs is not None and index in logprobs_row:
+                child.logprobs.add_window_rows(window, logprobs_row[index], kept)
             if child.finish_reason is not None:
                 self._finish(parent, child, now)
                 if finish is None:
@@ -169,41 +170,28 @@ class OutputProcessor:
             parent.metrics.first_scheduled_time = first_scheduled_time
             parent.metrics.first_token_time = now
 
-    def _apply(self, child: ChildState, new_ids: list[int], new_logprobs: tuple[StepLogprobs, int] | None,
-               finish: tuple[str, int | None] | None) -> None:
+    def _apply(self, child: ChildState, new_ids: list[int], finish: tuple[str, int | None] | None) -> int:
         """Adds a sequence's new tokens, detokenizes them and checks stop strings; ``finish``: the
-        core's (finish reason, stop reason) when the sequence finished in the core."""
+        core's (finish reason, stop reason) when the sequence finished in the core. Returns how many
+        of the tokens it kept (those after one that completes a stop string are dropped)."""
         params = child.params
         # A stop token (EOS or stop_token_ids) ends the text without being rendered, unless asked.
         num_text = len(new_ids) - (finish is not None and finish[0] == "stop" and not params.include_stop_str_in_output)
-        if child.logprobs is None:
-            new_logprobs = None
         if child.text is None or not params.stop:
             child.token_ids += new_ids
-            if new_logprobs is not None:
-                self._add_logprobs(child, *new_logprobs, len(new_ids))
             if child.text is not None and num_text > 0:
                 child.text.append_tokens(new_ids[:num_text])
         else:
-            # Token by token: the tokens after the one that completes a stop string are dropped.
             for position, token in enumerate(new_ids):
                 child.token_ids.append(token)
-                if new_logprobs is not None:
-                    self._add_logprobs(child, new_logprobs[0], new_logprobs[1] + position, 1)
                 if position < num_text:
                     stop_str = child.text.append_tokens([token])
                     if stop_str is not None:
                         child.finish_reason, child.stop_reason = "stop", stop_str
-                        return
+                        return position + 1
         if finish is not None:
             child.finish_reason, child.stop_reason = finish
-
-    def _add_logprobs(self, child: ChildState, block: StepLogprobs, first_row: int, count: int) -> None:
-        child.logprobs.add_rows(block, first_row, count)
-        if count == 1:  # a decode step's one token (most calls): no list for the sum
-            child.cumulative_logprob += block.logprobs[first_row * block.width]
-        else:
-            child.cumulative_logprob += sum(block.sampled_logprobs(first_row, count))
+        return len(new_ids)
 
     def _finish(self, parent: ParentState, child: ChildState, now: float) -> None:
         parent.num_unfinished -= 1
@@ -253,20 +241,23 @@ class OutputProcessor:
         outputs = []
         for child in parent.children:
             done = child.finish_reason is not None
-            new_ids = child.token_ids[child.num_tokens_reported:]
-            new_logprobs = None if child.logprobs is None else child.logprobs[child.num_tokens_reported:]
+            reported = child.num_tokens_reported
+            new_ids = child.token_ids[reported:]
             child.num_tokens_reported = len(child.token_ids)
             # A sequence that finished earlier than its siblings has nothing more to stream.
             delta_text = "" if child.final_reported or child.text is None else child.text.take_delta(finished=done)
             child.final_reported = done
             if delta:
-                text, token_ids, logprobs = delta_text, new_ids, new_logprobs
+                text, token_ids = delta_text, new_ids
+                logprobs = None if child.logprobs is None else child.logprobs.take()
             else:
                 text = child.text.text if child.text is not None else ""
-                token_ids = list(child.token_ids)
-                logprobs = child.logprobs[:] if child.logprobs is not None else None
+                # The parent is forgotten after its final output: that one takes the lists themselves.
+                token_ids = child.token_ids if finished else list(child.token_ids)
+                logprobs = child.logprobs if finished or child.logprobs is None else child.logprobs[:]
             outputs.append(CompletionOutput(
-                index=child.index, text=text, token_ids=token_ids, cumulative_logprob=child.cumulative_logprob,
+                index=child.index, text=text, token_ids=token_ids,
+                cumulative_logprob=None if child.logprobs is None else child.logprobs.cumulative_logprob,
                 logprobs=logprobs, finish_reason=child.finish_reason, stop_reason=child.stop_reason if done else None,
                 delta_text=delta_text, delta_token_ids=new_ids))
         if finished:

@@ -1021,20 +1021,19 @@ class ModelRunner:
     def _logprobs_block(step: SampledStep, ids: np.ndarray, values: np.ndarray,
                         ranks: np.ndarray) -> tuple[StepLogprobs, list[int]]:
         """A step's logprob rows (``num_positions`` per request) as one block, and each request's
-        first row in it (-1 where it asked for none): the whole arrays in three conversions when
-        every request asked (no work per request), else the rows of those that did."""
+        first row in it (-1 where it asked for none): the whole arrays when every request asked (no
+        work per request), else the rows of those that did."""
         num_positions = step.num_positions
         asked = [state.sampling_params.logprobs is not None for state in step.states]
         if all(asked):
-            return (StepLogprobs(ids.shape[1], ids.ravel().tolist(), values.ravel().tolist(), ranks.tolist()),
+            return (StepLogprobs.of(ids.shape[1], ids, values, ranks),
                     list(range(0, len(asked) * num_positions, num_positions)))
         requests = np.flatnonzero(asked)
         rows = (requests[:, None] * num_positions + np.arange(num_positions)).ravel()
         first_rows = [-1] * len(asked)
         for index, request in enumerate(requests.tolist()):
             first_rows[request] = index * num_positions
-        return (StepLogprobs(ids.shape[1], ids[rows].ravel().tolist(), values[rows].ravel().tolist(),
-                             ranks[rows].tolist()), first_rows)
+        return StepLogprobs.of(ids.shape[1], ids[rows], values[rows], ranks[rows]), first_rows
 
     def is_replay_only(self, staged: StagedStep) -> bool:
         """Whether running ``staged`` here is a copy and a CUDA-graph replay, with no collective
