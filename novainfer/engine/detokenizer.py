@@ -80,12 +80,6 @@ class IncrementalDetokenizer:
             self._read_offset = 0
         self._context = list(self._window)
         self._stream = _decode_stream(self._backend, self._window, skip_special_tokens)
-        self._text = ""
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return self._text
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Appends output tokens and returns the text they complete.
@@ -97,9 +91,7 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         if self._stream is not None:
-            new_text = self._stream.step(self._backend, list(token_ids)) or ""
-            self._text += new_text
-            return new_text
+            return self._stream.step(self._backend, list(token_ids)) or ""
         self._window.extend(token_ids)
 
         prefix_text = self._decode(self._window[: self._read_offset])
@@ -112,7 +104,6 @@ class IncrementalDetokenizer:
         # context is no longer needed.
         del self._window[: self._read_offset]
         self._read_offset = len(self._window)
-        self._text += new_text
         return new_text
 
     def decode_output(self, token_ids: Sequence[int]) -> str:

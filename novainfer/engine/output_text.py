@@ -12,6 +12,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+# Pieces of text are joined into one when this many are held: copying the text once per this many
+# steps bounds both the copying per step and the objects per request.
+_MAX_PIECES = 64
+
+
+def _joined(pieces: list[str]) -> str:
+    """The pieces' text, left in ``pieces`` as one piece."""
+    if len(pieces) > 1:
+        pieces[:] = ["".join(pieces)]
+    return pieces[0] if pieces else ""
+
+
 class OutputTextState:
     """Output text of one request, cut at the first stop string.
 
@@ -51,9 +63,14 @@ class OutputTextState:
         )
         self._stops = StopMatcher(stop)
         self._include_stop_str_in_output = include_stop_str_in_output
-        self._text = ""
+        # The text, as pieces: the streamed part, then the tail not streamed yet (joined when read):
+        # a step appends a piece instead of copying a string as long as the output.
+        self._streamed: list[str] = []
+        self._streamed_len = 0  # characters in ``_streamed``
+        self._num_streamed = 0  # characters handed out by take_delta (the same, unless a cut went below it)
+        self._tail: list[str] = []
+        self._tail_len = 0
         self._stop_matched: str | None = None
-        self._num_streamed = 0
         # Without stop strings nothing needs the text before it is read: tokens wait in
         # ``_pending_ids`` and are decoded together when it is (a streamed request whose reader
         # is behind decodes several steps' tokens in one call). ``defer`` (only the final text
@@ -67,24 +84,35 @@ class OutputTextState:
     def text(self) -> str:
         """Output text so far, truncated at the stop string if one was matched."""
         self._decode_pending()
-        return self._text
+        return _joined(self._streamed) + _joined(self._tail)
+
+    def _length(self) -> int:
+        return self._streamed_len + self._tail_len
+
+    def _append(self, text: str) -> None:
+        if text:
+            self._tail.append(text)
+            self._tail_len += len(text)
+            if len(self._tail) >= _MAX_PIECES:
+                _joined(self._tail)
 
     def _decode_pending(self) -> None:
         if not self._pending_ids:
             return
         if self._deferred_ids is not None:
             self._deferred_ids += self._pending_ids
-            self._text = self._detokenizer.decode_output(self._deferred_ids)
+            self._tail, self._tail_len = [], 0  # nothing is streamed: the text is decoded again
+            self._append(self._detokenizer.decode_output(self._deferred_ids))
         elif len(self._pending_ids) == 1 or (self._token_texts is not None
                                              and self._token_texts.ends_on_character(self._pending_ids)):
             # One token (a streamed request's usual step), or a batch that cannot end inside a
             # character: its text is what feeding the tokens one at a time would have emitted.
-            self._text += self._detokenizer.add_tokens(self._pending_ids)
+            self._append(self._detokenizer.add_tokens(self._pending_ids))
         else:
             # One token at a time, as they came: a batch that ends inside a character would hold
             # back the text of its every token, where steps of one token hold back only that one.
             add_tokens = self._detokenizer.add_tokens
-            self._text += "".join([add_tokens((token,)) for token in self._pending_ids])
+            self._append("".join([add_tokens((token,)) for token in self._pending_ids]))
         self._pending_ids = []
 
     def append_tokens(self, token_ids: Sequence[int]) -> str | None:
@@ -97,23 +125,30 @@ class OutputTextState:
         if self._stop_matched is not None:
             raise RuntimeError(
                 f"append_tokens called after stop string {self._stop_matched!r} "
-                f"already ended the output {self._text!r}"
+                f"already ended the output {self.text!r}"
             )
         if self._lazy:
             self._pending_ids += token_ids
             return None
         new_text = self._detokenizer.add_tokens(token_ids)
-        offset = len(self._text)
-        self._text += new_text
+        offset = self._length()
+        self._append(new_text)
         if not new_text or not self._stops.stops:
             return None
         # A match not found by earlier calls ends inside the new text: only it is read.
         match = self._stops.feed(new_text, offset)
         if match is None:
             return None
-        self._text = self._text[: match.end if self._include_stop_str_in_output else match.start]
+        self._cut(match.end if self._include_stop_str_in_output else match.start)
         self._stop_matched = match.stop
         return match.stop
+
+    def _cut(self, length: int) -> None:
+        """Truncates the text to ``length`` characters."""
+        if length < self._streamed_len:  # into text already streamed: take_delta reports it
+            self._streamed, self._streamed_len = [_joined(self._streamed)[:length]], length
+        tail = _joined(self._tail)[:length - self._streamed_len]
+        self._tail, self._tail_len = [tail] if tail else [], len(tail)
 
     def take_delta(self, finished: bool) -> str:
         """Returns the text added since the previous call that is safe to stream.
@@ -123,7 +158,7 @@ class OutputTextState:
         was matched (the text can no longer grow), everything left is returned.
         """
         self._decode_pending()
-        end = len(self._text)
+        end = self._length()
         if not finished and self._stop_matched is None:
             end -= self._stops.partial_len()
         if end < self._num_streamed:
@@ -131,8 +166,15 @@ class OutputTextState:
             # and a stop string then cut into text that was already streamed.
             raise RuntimeError(
                 f"{self._num_streamed} characters were already streamed but the "
-                f"output text is now {self._text!r}"
+                f"output text is now {self.text!r}"
             )
-        delta = self._text[self._num_streamed : end]
-        self._num_streamed = end
+        if end == self._streamed_len:
+            return ""
+        tail = _joined(self._tail)
+        delta, rest = tail[:end - self._streamed_len], tail[end - self._streamed_len:]
+        self._tail, self._tail_len = [rest] if rest else [], len(rest)
+        self._streamed.append(delta)
+        self._streamed_len = self._num_streamed = end
+        if len(self._streamed) >= _MAX_PIECES:
+            _joined(self._streamed)
         return delta
