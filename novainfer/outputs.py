@@ -187,8 +187,12 @@ class FlatLogprobs(Sequence):
     def copy_waiting_rows(self) -> None:
         """Copies the rows waiting in the window into this sequence."""
         if self._waiting_rows:
-            rows, self._waiting_rows, window, self._window = self._waiting_rows, [], self._window, None
-            self._add_chunk(window.gather(rows, min(self._width or window.width, window.width)))
+            self._add_chunk(self._gather_waiting())
+
+    def _gather_waiting(self) -> _Chunk:
+        rows, window = self._waiting_rows, self._window
+        self._waiting_rows, self._window = [], None
+        return window.gather(rows, min(self._width or window.width, window.width))
 
     def _add_chunk(self, chunk: _Chunk) -> None:
         total = self._sampled_sum
@@ -208,11 +212,14 @@ class FlatLogprobs(Sequence):
     def take(self) -> FlatLogprobs:
         """Moves the positions held into a new sequence, which it returns (a streamed request's
         new positions, once per output: what is reported is not kept)."""
-        self.copy_waiting_rows()
         part = FlatLogprobs(self._texts_of)
-        part._width, part._chunks, part._ends, part._sampled_sum = self._width, self._chunks, self._ends, self._sampled_sum
-        self._taken_sum += self._sampled_sum
-        self._chunks, self._ends, self._sampled_sum = [], [], 0.0
+        part._width = self._width
+        if self._chunks:  # positions copied in already (a streamed sequence has none): they come first
+            part._chunks, part._ends, part._sampled_sum = self._chunks, self._ends, self._sampled_sum
+            self._chunks, self._ends, self._sampled_sum = [], [], 0.0
+        if self._waiting_rows:
+            part._add_chunk(self._gather_waiting())
+        self._taken_sum += part._sampled_sum
         return part
 
     def append_position(self, token_ids: list[int], logprobs: list[float], rank: int) -> None:
