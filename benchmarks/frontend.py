@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logprobs", type=int, default=5, help="top logprobs per token where asked")
     p.add_argument("--repeats", type=int, default=3, help="runs of each case; the best is reported")
     p.add_argument("--text-tokens", type=int, default=16000, help="tokens of the output-text measurement")
-    p.add_argument("--text-buckets", type=int, default=4, help="positions ranges reported per text case")
+    p.add_argument("--text-buckets", type=int, default=4, help="position ranges reported per text case")
     p.add_argument("--seed", type=int, default=0)
     add_output_arguments(p, "frontend_cpu")
     args = p.parse_args(argv)
