@@ -182,6 +182,7 @@ class OutputProcessor:
             if child.text is not None and num_text > 0:
                 child.text.append_tokens(new_ids[:num_text])
         else:
+            # Token by token: the tokens after the one that completes a stop string are dropped.
             for position, token in enumerate(new_ids):
                 child.token_ids.append(token)
                 if position < num_text:
