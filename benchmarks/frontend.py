@@ -11,6 +11,8 @@ engine step, beside the step on a GPU (or between steps, in one process):
 * ``text``: ``OutputTextState`` (incremental detokenization, stop strings, streaming deltas) per
   token at successive positions of one ``--text-tokens``-token output, streamed or read at the end,
   with and without a stop string: whether the cost per token grows with the output.
+* ``logprobs_format``: the server's OpenAI logprobs object (chat and completions) of one streamed
+  token with ``--logprobs`` alternatives, as a chunk serializes it: us per token.
 
     python benchmarks/frontend.py --tokenizer ../shared/data/qwen2_tokenizer
 """
@@ -117,6 +119,23 @@ def time_text(tokenizer, args: argparse.Namespace, stop: tuple[str, ...], stream
     return means
 
 
+def time_logprobs_format(args: argparse.Namespace, calls: int = 20000) -> dict[str, float]:
+    """Mean us per streamed token of the chat and completions logprobs objects (plain data)."""
+    from novainfer.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
+    from novainfer.outputs import Logprob
+
+    entry = {7: Logprob(-0.5, 1, " the")}
+    for rank in range(1, args.logprobs + 1):
+        entry.setdefault(100 + rank, Logprob(-0.5 * rank, rank, f" t{rank}"))
+    means = {}
+    for name, format_one in (("chat", chat_logprobs), ("completion", completion_logprobs)):
+        started = time.perf_counter()
+        for _ in range(calls):
+            format_one([7], [entry], args.logprobs, None)
+        means[name] = (time.perf_counter() - started) / calls * 1e6
+    return means
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -145,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "us_per_token_by_position": [round(m, 3) for m in means]})
             print(f"text stop={list(stop)!s:10s} streamed={streamed!s:5s}: us per token by position "
                   f"{[round(m, 2) for m in means]}")
+    formats = {name: round(min(runs), 3) for name, runs in
+               zip(("chat", "completion"), zip(*(time_logprobs_format(args).values() for _ in range(args.repeats))))}
+    print(f"logprobs object of one streamed token, us: {formats}")
     facts = run_facts(None, load_start, argv, __file__)
     facts.pop("gpu")
     report = {"benchmark": "front-end host work per engine step (output processor, output text)", **facts,
@@ -152,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "steps": args.steps, "logprobs": args.logprobs, "repeats": args.repeats,
                            "text_tokens": args.text_tokens, "text_buckets": args.text_buckets,
                            "reported": "the best of the repeats"},
-              "steps": steps, "text": text_rows}
+              "steps": steps, "text": text_rows, "logprobs_format_us_per_token": formats}
     path = write_results(args.output or "frontend_cpu", report, args.results_dir)
     print(f"wrote {path.name}")
     return report

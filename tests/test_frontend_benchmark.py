@@ -39,4 +39,5 @@ def test_records_every_case(tmp_path):
     assert {(r["outputs"], r["text"], r["logprobs"]) for r in report["steps"]} == {
         (o, t, lp) for o in ("at the end", "delta every step") for t in (False, True) for lp in (None, 5)}
     assert len(report["text"]) == 4 and all(len(r["us_per_token_by_position"]) == 2 for r in report["text"])
+    assert set(report["logprobs_format_us_per_token"]) == {"chat", "completion"}
     assert json.loads((tmp_path / "frontend.json").read_text())["steps"] == report["steps"]

@@ -8,9 +8,8 @@ them).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from novainfer.entrypoints.openai.protocol import ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs, \
-    TopLogprob
 from novainfer.outputs import Logprob
 
 
@@ -32,31 +31,36 @@ def _finite(value: float) -> float:
 
 
 def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], top_k: int,
-                  tokenizer) -> ChatChoiceLogprobs:
+                  tokenizer) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` (``ChatChoiceLogprobs``'s fields) as plain data: a streamed chunk
+    is serialized as it is, without building and dumping a model per token."""
     content = []
     for token_id, entry in zip(token_ids, entries):
         sampled = entry.get(token_id) or next(iter(entry.values()))
         text = _token_text(token_id, sampled, tokenizer)
-        top = [TopLogprob(token=_token_text(tid, lp, tokenizer), logprob=_finite(lp.logprob),
-                          bytes=list(_token_text(tid, lp, tokenizer).encode("utf-8")))
-               for tid, lp in _top(entry, top_k)]
-        content.append(ChatTokenLogprob(token=text, logprob=_finite(sampled.logprob),
-                                        bytes=list(text.encode("utf-8")), top_logprobs=top))
-    return ChatChoiceLogprobs(content=content)
+        top = []
+        for tid, lp in _top(entry, top_k):
+            token = _token_text(tid, lp, tokenizer)
+            top.append({"token": token, "logprob": _finite(lp.logprob), "bytes": list(token.encode("utf-8"))})
+        content.append({"token": text, "logprob": _finite(sampled.logprob), "bytes": list(text.encode("utf-8")),
+                        "top_logprobs": top})
+    return {"content": content}
 
 
 def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], top_k: int,
-                        tokenizer, text_offset: int = 0) -> CompletionLogprobs:
-    result = CompletionLogprobs()
+                        tokenizer, text_offset: int = 0) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` (``CompletionLogprobs``'s fields) as plain data (see
+    :func:`chat_logprobs`)."""
+    result: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     offset = text_offset
     for token_id, entry in zip(token_ids, entries):
         sampled = entry.get(token_id) or next(iter(entry.values()))
         text = _token_text(token_id, sampled, tokenizer)
-        result.tokens.append(text)
-        result.token_logprobs.append(_finite(sampled.logprob))
+        result["tokens"].append(text)
+        result["token_logprobs"].append(_finite(sampled.logprob))
         top = {_token_text(tid, lp, tokenizer): _finite(lp.logprob) for tid, lp in _top(entry, top_k)}
         top.setdefault(text, _finite(sampled.logprob))
-        result.top_logprobs.append(top)
-        result.text_offset.append(offset)
+        result["top_logprobs"].append(top)
+        result["text_offset"].append(offset)
         offset += len(text)
     return result

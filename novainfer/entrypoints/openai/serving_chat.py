@@ -161,7 +161,7 @@ class ChatHandler(GenerationHandler):
                     continue
                 logprobs = None
                 if self.top_logprobs is not None and c.logprobs is not None and len(c.logprobs) > 0:
-                    logprobs = chat_logprobs(c.token_ids, c.logprobs, self.top_logprobs, model.tokenizer).model_dump()
+                    logprobs = chat_logprobs(c.token_ids, c.logprobs, self.top_logprobs, model.tokenizer)
                 if keep_reply and c.index == 0:
                     self._streamed_reply.append(c.delta_text)
                 if c.delta_text or logprobs is not None:

@@ -92,8 +92,7 @@ class CompletionHandler(GenerationHandler):
                     continue
                 logprobs = None
                 if top is not None and c.logprobs is not None and len(c.logprobs) > 0:
-                    logprobs = completion_logprobs(c.token_ids, c.logprobs, top, model.tokenizer,
-                                                   text_offsets[index]).model_dump()
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs, top, model.tokenizer, text_offsets[index])
                     text_offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 done = c.finish_reason is not None
                 if c.delta_text or logprobs is not None or done:
