@@ -111,9 +111,13 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         finished = [i for i in rare if outputs[i].finish_reason is not None]
         started = [i for i in rare if outputs[i].num_cached_tokens >= 0]
         with_logprobs = [i for i in rare if outputs[i].new_logprobs is not None]
-        blocks: dict[int, tuple[int, StepLogprobs]] = {}  # id of a block -> (its index here, the block)
-        block_index = [blocks.setdefault(id(block), (len(blocks), block))[0]
-                       for block, _ in (outputs[i].new_logprobs for i in with_logprobs)]
+        new_logprobs = [outputs[i].new_logprobs for i in with_logprobs]
+        blocks = list({id(block): block for block, _ in new_logprobs}.values())  # each once, in order
+        if len(blocks) == 1:  # a step's one block (nearly every step)
+            block_index = [0] * len(new_logprobs)
+        else:
+            index_of = {id(block): index for index, block in enumerate(blocks)}
+            block_index = [index_of[id(block)] for block, _ in new_logprobs]
         return cls(request_ids=[o.request_id for o in outputs],
                    num_new_tokens=[len(o.new_token_ids) for o in outputs],
                    token_ids=[token for o in outputs for token in o.new_token_ids],
@@ -121,9 +125,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
                    stop_reasons=[outputs[i].stop_reason for i in finished],
                    started=started, num_cached_tokens=[outputs[i].num_cached_tokens for i in started],
                    first_scheduled_times=[outputs[i].first_scheduled_time for i in started],
-                   with_logprobs=with_logprobs, logprobs_blocks=[block for _, block in blocks.values()],
-                   logprobs_block_index=block_index,
-                   logprobs_rows=[outputs[i].new_logprobs[1] for i in with_logprobs],
+                   with_logprobs=with_logprobs, logprobs_blocks=blocks, logprobs_block_index=block_index,
+                   logprobs_rows=[row for _, row in new_logprobs],
                    stats=stats, timestamp=timestamp)
 
     def subset(self, keep: list[int]) -> EngineCoreOutputs:
