@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
 
     default = faults_of_steps()
     kept = keep_freed_host_memory()
-    # The better of two windows: a machine's own page reclaim once cost one window a whole step's pages.
+    # The better of two windows: one window once paid a whole step's pages on a CI machine (cause not found).
     print(json.dumps({"default": default, "kept": kept, "after": min(faults_of_steps(), faults_of_steps())}))
 """)
 
