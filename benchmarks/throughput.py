@@ -65,7 +65,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Workload, add_engine_arguments, add_model_arguments, add_output_arguments, \
-    engine_kwargs, greedy_params, load_average, load_transformers_model, make_workload, release_device_memory, \
+    engine_kwargs, load_average, load_transformers_model, make_workload, release_device_memory, \
     resolve_model_args, run_facts, scrub_path, transformers_errors_only, write_results
 
 
@@ -239,8 +239,9 @@ class NovaInferRunner:
             "step_kinds": step_kind_breakdown(delta["steps_by_kind"], delta["step_time_by_kind"], step_time),
         }, tokens
 
-    def profile_decode(self, num_steps: int, top: int = 15) -> dict[str, Any]:
-        """Profiles ``num_steps`` decode-only steps of a full batch of the workload's prompts.
+    def profile_decode(self, num_steps: int, top: int = 25) -> dict[str, Any]:
+        """Profiles ``num_steps`` decode-only steps of a full batch of the workload's prompts, sampled
+        as the timed runs sample.
 
         The requests go straight to the engine (``LLM.generate`` has no hook between steps) with
         final-only outputs, as ``generate`` makes them; once no step computes prompt tokens any more,
@@ -256,8 +257,8 @@ class NovaInferRunner:
         max_len = engine.model_config.max_model_len
         batch = self.workload.prompts[:engine.config.scheduler_config.max_num_seqs]
         request_ids = [f"profile-{i}" for i in range(len(batch))]
-        for request_id, prompt in zip(request_ids, batch):
-            params = greedy_params(max_len - len(prompt))
+        for index, (request_id, prompt) in enumerate(zip(request_ids, batch)):
+            params = request_params(self.args, max_len - len(prompt), index)  # the run's sampling settings
             params.output_kind = RequestOutputKind.FINAL_ONLY
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
         try:
