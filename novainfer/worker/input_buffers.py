@@ -2,10 +2,17 @@
 
 Every array a forward step needs (token ids, positions, KV slots, logits rows, query start
 offsets, sequence lengths, block tables) lives at a fixed offset of one byte buffer. The host
-fills numpy views of it; a single non-blocking copy moves the used prefix to an identically laid
+fills numpy views of it; a single non-blocking copy moves the used part to an identically laid
 out device buffer, whose typed views the step reads. Fixed offsets are what CUDA graphs need: a
 captured graph keeps reading the same device addresses, so refilling the buffer is enough to
 run it on new inputs. Growing a buffer moves it, so the owner must drop its graphs then.
+
+Block tables travel packed: the step's rows at its own width (its longest sequence's blocks),
+contiguous at the end of the copied part, and one device copy spreads them into the
+``block_tables`` rows the kernels read, which span ``max_blocks_per_seq`` (a 32k-token model's row
+is 8 KB: copied whole, the rows of a decode step of 256 short sequences were 2 MB, about 50 us
+of copy on the step's stream). Columns past a step's width keep older block ids, which no
+kernel reads: a sequence's blocks end within its width.
 """
 
 from __future__ import annotations
@@ -45,19 +52,23 @@ class BufferCapacity:
 class StepInputBuffers:
     """Host (pinned on CUDA) and device copies of one step's integer inputs.
 
-    ``host[name]`` are numpy views to fill, ``device[name]`` the matching torch views. Token
-    regions hold ``max_tokens`` int64 entries; ``query_start_loc`` (int32, ``max_seqs + 1``),
-    ``seq_lens`` (int32, ``max_seqs``) and ``block_tables`` (int32, ``[max_seqs, max_blocks_per_seq]``,
-    last, so that a step copies only the rows it uses) follow. On CPU both sides share memory.
+    ``host[name]`` are numpy views to fill, ``device[name]`` the matching torch views.
+    ``block_tables`` (int32, ``[max_seqs, max_blocks_per_seq]``) comes first and is written on the
+    device only (:meth:`unpack_block_tables`); the copied part follows: token regions of
+    ``max_tokens`` int64 entries, ``query_start_loc`` (int32, ``max_seqs + 1``), ``seq_lens`` (int32,
+    ``max_seqs``) and ``packed_block_tables`` (int32, last, so that a step copies only what it
+    uses; see :meth:`stage_block_tables`). On CPU both sides share memory.
     """
 
     def __init__(self, capacity: BufferCapacity, device: torch.device) -> None:
         self.capacity = capacity
         self.device = device
-        regions = [(name, np.dtype(dtype), (capacity.max_tokens,)) for name, dtype in _TOKEN_REGIONS]
+        table_shape = (capacity.max_seqs, capacity.max_blocks_per_seq)
+        regions = [("block_tables", np.dtype(np.int32), table_shape)]
+        regions += [(name, np.dtype(dtype), (capacity.max_tokens,)) for name, dtype in _TOKEN_REGIONS]
         regions += [("query_start_loc", np.dtype(np.int32), (capacity.max_seqs + 1,)),
                     ("seq_lens", np.dtype(np.int32), (capacity.max_seqs,)),
-                    ("block_tables", np.dtype(np.int32), (capacity.max_seqs, capacity.max_blocks_per_seq))]
+                    ("packed_block_tables", np.dtype(np.int32), (int(np.prod(table_shape)),))]
         self.offsets: dict[str, int] = {}
         offset = 0
         for name, dtype, shape in regions:
@@ -85,10 +96,24 @@ class StepInputBuffers:
         # by the device they copy to: this buffer is only writable again once they have read it.
         self._reader_copies: dict[torch.device, torch.cuda.Event] = {}
 
-    def block_table_rows_end(self, num_rows: int) -> int:
-        """Byte offset just past the first ``num_rows`` block-table rows (the end of a step's data)."""
-        row_bytes = self.capacity.max_blocks_per_seq * 4
-        return self.offsets["block_tables"] + num_rows * row_bytes
+    @property
+    def copy_start(self) -> int:
+        """Byte offset where the part a step copies begins (past the device-written block tables)."""
+        return self.offsets[_TOKEN_REGIONS[0][0]]
+
+    def stage_block_tables(self, block_tables: np.ndarray) -> int:
+        """Writes a step's block tables ([rows, width] int32) packed into the host buffer; returns
+        the byte offset just past them (the end of the step's data)."""
+        packed = self.host["packed_block_tables"]
+        packed[:block_tables.size].reshape(block_tables.shape)[...] = block_tables
+        return self.offsets["packed_block_tables"] + block_tables.size * 4
+
+    def unpack_block_tables(self, num_rows: int, width: int) -> None:
+        """Spreads the packed ``[num_rows, width]`` block tables of the copied step into the rows of
+        ``block_tables`` on the device (one copy kernel, queued after the step's copy)."""
+        if num_rows and width:
+            packed = self.device_views["packed_block_tables"][:num_rows * width].view(num_rows, width)
+            self.device_views["block_tables"][:num_rows, :width].copy_(packed)
 
     def wait_until_writable(self) -> None:
         """Blocks until the last copy has read the host buffer (call before refilling it).
@@ -101,7 +126,7 @@ class StepInputBuffers:
             copy_done.synchronize()
 
     def copy_to_device(self, num_bytes: int, source: StepInputBuffers | None = None) -> None:
-        """Sends the first ``num_bytes`` of the host buffer to the device, asynchronously.
+        """Sends the copied part of the host buffer, up to byte ``num_bytes``, to the device, asynchronously.
 
         ``source``: another buffer of the same layout whose host side holds the step instead (the
         driver rank's, staged once for every rank of a ``uni`` executor); ``source`` then waits for
@@ -112,10 +137,11 @@ class StepInputBuffers:
         if source is not self and source.offsets != self.offsets:
             raise ValueError(f"cannot copy between step buffers of different layouts "
                              f"({source.capacity} and {self.capacity})")
+        part = slice(self.copy_start, num_bytes)
         if self._copy_done is not None:
-            self._device_bytes[:num_bytes].copy_(source._host_bytes[:num_bytes], non_blocking=True)
+            self._device_bytes[part].copy_(source._host_bytes[part], non_blocking=True)
             self._copy_done.record()
             if source is not self:
                 source._reader_copies[self.device] = self._copy_done
         elif source is not self:
-            self._device_bytes[:num_bytes].copy_(source._host_bytes[:num_bytes])
+            self._device_bytes[part].copy_(source._host_bytes[part])

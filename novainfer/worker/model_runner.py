@@ -77,7 +77,8 @@ class StagedStep:
     """
 
     buffers: StepInputBuffers  # whose host side holds the step
-    num_bytes: int  # the prefix of the buffer that the step uses
+    num_bytes: int  # the end of the buffer's part that the step uses
+    block_table_shape: tuple[int, int]  # of the step's packed block tables (its real sequences')
     num_tokens: int
     num_seqs: int
     num_logits: int
@@ -471,7 +472,7 @@ class ModelRunner:
         host["logits_indices"][:len(logits_indices)] = logits_indices
         host["query_start_loc"][:num_seqs + 1] = cu_lens
         host["seq_lens"][:num_seqs] = seq_lens
-        host["block_tables"][:num_seqs, :block_tables.shape[1]] = block_tables
+        data_end = buffers.stage_block_tables(block_tables)
         if token_sources is not None:
             host["token_sources"][:num_tokens] = token_sources
         if graph_key is not None and graph_key.kind == "decode":
@@ -479,10 +480,9 @@ class ModelRunner:
         elif graph_key is not None:
             self._fill_mixed_padding(num_tokens, num_seqs, num_logits, graph_key)
         all_rows = num_logits == num_tokens and bool((logits_indices == np.arange(num_tokens)).all())
-        # Only the real sequences' block-table rows are copied (a row spans max_model_len's blocks:
-        # a batch-1 step padded to a mixed graph of 256 sequences copied 2 MB): padding sequences
-        # have no context, so the kernels never read their rows, which keep older valid ids.
-        return StagedStep(buffers, buffers.block_table_rows_end(num_seqs), num_tokens, num_seqs, num_logits, query_lens,
+        # Only the real sequences' block-table rows are copied: padding sequences have no context,
+        # so the kernels never read their rows, which keep older valid ids.
+        return StagedStep(buffers, data_end, block_tables.shape, num_tokens, num_seqs, num_logits, query_lens,
                           seq_lens, graph_key, all_rows, greedy, previous_tokens if token_sources is not None else None)
 
     def _runs_as_decode_rows(self, query_lens: np.ndarray, start_pos: np.ndarray) -> bool:
@@ -546,6 +546,7 @@ class ModelRunner:
         """Queues the copy of ``staged`` into ``buffers``' device side, then takes the tokens it
         names in ``previous_tokens`` there; returns the device views."""
         buffers.copy_to_device(staged.num_bytes, staged.buffers)
+        buffers.unpack_block_tables(*staged.block_table_shape)
         views = buffers.device_views
         if staged.previous_tokens is not None:
             # Tokens sampled by the step before, which the host has not seen: taken on the device.
@@ -697,9 +698,8 @@ class ModelRunner:
         host["query_start_loc"][:size + 1] = np.arange(size + 1)
         host["seq_lens"][:rows] = pos[:, 0] + 1
         host["seq_lens"][rows:size] = 0
-        host["block_tables"][:rows, :block_tables.shape[1]] = block_tables
-        return StagedStep(buffers, buffers.block_table_rows_end(rows), size, size, 0, np.ones(rows, np.int64),
-                          pos[:, 0] + 1, key, False, True, first_tokens)
+        return StagedStep(buffers, buffers.stage_block_tables(block_tables), block_tables.shape, size, size, 0,
+                          np.ones(rows, np.int64), pos[:, 0] + 1, key, False, True, first_tokens)
 
     def _run_chain(self, size: int, length: int, views: dict[str, torch.Tensor],
                    metadata: AttentionMetadata | None) -> torch.Tensor:
