@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import api_process, latency, mixed_step, spec_decode, throughput
+from benchmarks import api_process, latency, mixed_step, sampling_paths, spec_decode, throughput
 from benchmarks.architectures import ARCHITECTURES, get_architecture, hf_config
 
 
@@ -90,6 +90,22 @@ def test_throughput_with_the_engine_core_in_its_own_process(tmp_path):
     for run in results["novainfer"]["runs"]:  # the core's prefix cache was emptied before every run
         assert run["engine_prompt_tokens_computed"] == results["workload"]["total_input_tokens"]
         assert run["output_tokens"] == results["workload"]["total_output_tokens"]
+
+
+def test_sampling_paths_interleave_settings_against_greedy(tmp_path):
+    args = ["--num-seqs", "4", "--max-input", "30", "--min-output", "3", "--max-output", "9", "--rounds", "2",
+            "--settings", "logprobs5-text,topp-topk-seed-text", "--results-dir", str(tmp_path), "--output", "run"]
+    results = sampling_paths.main(args)
+    settings = results["settings"]
+    assert list(settings) == ["greedy", "logprobs5-text", "topp-topk-seed-text"]  # the baseline runs first
+    assert settings["greedy"]["vs_greedy_per_round"] == [1.0, 1.0]
+    assert settings["greedy"]["sampling"]["detokenize"] is False
+    assert settings["logprobs5-text"]["sampling"]["logprobs"] == 5
+    assert settings["topp-topk-seed-text"]["sampling"]["seed_per_request"] is True
+    for row in settings.values():
+        assert [run["output_tokens"] for run in row["runs"]] == [results["workload"]["total_output_tokens"]] * 2
+    with pytest.raises(SystemExit):
+        sampling_paths.parse_args(["--settings", "greedy,top-q"])
 
 
 def test_mixed_step_benchmark_times_the_step_kinds_it_names(tmp_path):
