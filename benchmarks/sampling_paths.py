@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import throughput
-from benchmarks.common import load_average, make_workload, resolve_model_args, run_facts, scrub_path, write_results
+from benchmarks.common import load_average, run_facts, scrub_path, write_results
 
 # The table of what users run: name -> throughput.py's sampling flags that differ from greedy with text.
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -69,12 +69,7 @@ def setting_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    from novainfer.config import resolve_device
-
-    device = resolve_device(args.device)
-    model_dir, tag, summary = resolve_model_args(args, device)
-    workload = make_workload(args.num_seqs, summary["vocab_size"], args.min_input, args.max_input,
-                             args.min_output, args.max_output, seed=args.seed)
+    device, model_dir, tag, summary, workload = throughput.resolve_run(args)
     print(f"model {scrub_path(model_dir)} on {device}; {workload.num_seqs} requests, {workload.total_output_tokens} "
           f"output tokens; settings {args.settings}; {args.rounds} interleaved rounds", flush=True)
     load_at_start = load_average()

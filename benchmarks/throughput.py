@@ -558,14 +558,20 @@ def print_profile(breakdown: dict[str, Any], decode: dict[str, Any] | None) -> N
             print(f"  {100 * row['share']:5.1f}% {row['total_ms']:9.3f} ms {row['calls']:6d}x  {row['name'][:90]}")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def resolve_run(args: argparse.Namespace) -> tuple[Any, str, str, dict[str, Any], Workload]:
+    """The device, the model (directory, results-file tag, summary) and the workload of a run's flags."""
     from novainfer.config import resolve_device
 
     device = resolve_device(args.device)
     model_dir, tag, summary = resolve_model_args(args, device)
     workload = make_workload(args.num_seqs, summary["vocab_size"], args.min_input, args.max_input,
                              args.min_output, args.max_output, seed=args.seed)
+    return device, model_dir, tag, summary, workload
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device, model_dir, tag, summary, workload = resolve_run(args)
     name = args.output or f"throughput_{device.type}_{tag}"
     print(f"model {scrub_path(model_dir)} on {device}; {workload.num_seqs} requests, "
           f"{workload.total_input_tokens} prompt tokens, {workload.total_output_tokens} output tokens "
