@@ -36,7 +36,7 @@ from novainfer.sample.metadata import SamplingMetadata
 from novainfer.sample.rejection_sampler import (RejectionSamplerOutput, add_preceding_drafts, greedy_verify,
                                                 rejection_sample)
 from novainfer.sample.sampler import (LogprobsTensors, apply_min_tokens, apply_penalties, exponential_draws,
-                                      gather_logprobs, sampling_probs)
+                                      gather_logprobs, greedy_with_logprobs, sampling_probs)
 from novainfer.sample.state import copy_to_device
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graphs import GraphKey, StepGraphs, cudagraph_capture_sizes
@@ -921,9 +921,7 @@ class ModelRunner:
         if argmax_only:
             sampled, logprobs = self._greedy_tokens(head_output), None
         elif num_logprobs is not None:  # greedy with logprobs: both off the whole logits, without the sampler
-            logits = self._full_logits(head_output)
-            sampled = logits.argmax(dim=-1)
-            logprobs = gather_logprobs(logits, sampled, num_logprobs)
+            sampled, logprobs = greedy_with_logprobs(self._full_logits(head_output), num_logprobs)
         else:
             metadata = self.sampling_table.gather(np.fromiter((s.row for s in sampling), np.int64, len(sampling)),
                                                   np.asarray(num_outputs, dtype=np.int64))
