@@ -39,6 +39,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "logprobs5-text": {"logprobs": 5},
 }
 BASELINE = "greedy"
+# throughput.py's sampling flags at their defaults (greedy with text).
+_SAMPLING_DEFAULTS = throughput.sampling_settings(throughput.parse_args([]))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,9 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def setting_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
     """``args`` with the sampling flags of setting ``name`` (every other sampling flag at its default)."""
-    defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "logprobs": None,
-                "seed_per_request": False, "detokenize": True}
-    return argparse.Namespace(**{**vars(args), **defaults, **SETTINGS[name]})
+    return argparse.Namespace(**{**vars(args), **_SAMPLING_DEFAULTS, **SETTINGS[name]})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
