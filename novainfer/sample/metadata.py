@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,18 +46,52 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None
     repetition_penalties: torch.Tensor  # [B] float32 (read only where seen_token_mask is set)
     no_penalties: bool
-    # [B, V] int32 occurrences of each token in the output; None when no row has a frequency or
-    # presence penalty.
-    output_token_counts: torch.Tensor | None
-    # [B, V] bool, token occurs in the prompt or the output; None when no row has a repetition penalty.
-    seen_token_mask: torch.Tensor | None
+    # The sampling table's [table rows, V] int32 occurrences of each token in the output (None when
+    # no row has a frequency or presence penalty) and bool mask of the tokens in the prompt or the
+    # output (None when no row has a repetition penalty), whose row ``rows[b]`` is row b's: read in
+    # place by the fused draw, gathered into [B, V] copies by :attr:`output_token_counts` and
+    # :attr:`seen_token_mask` for the torch stages (at 1,024 rows of Qwen2's vocabulary the counts'
+    # copy alone is 622 MB).
+    counts_table: torch.Tensor | None
+    seen_table: torch.Tensor | None
     # [B, V] bool: stop tokens forbidden because the row has produced fewer than min_tokens
     # tokens; None when no row of the step is below its min_tokens.
     min_tokens_mask: torch.Tensor | None
     # Largest `logprobs` asked for by any row; None when no row asks.
     max_num_logprobs: int | None
-    # The table rows of the step (device), for recording the sampled tokens' counts.
+    # The table rows of the step (device, [B] int64): where its rows' counts and masks are.
     rows: torch.Tensor | None = None
+    # The [B, V] copies gathered so far (by name); a copy may be changed in place (speculative
+    # verification adds each position's preceding drafts to it) and is what every later reader sees.
+    _gathered: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def output_token_counts(self) -> torch.Tensor | None:
+        """[B, V] int32 occurrences of each token in row b's output; None without frequency or
+        presence penalties."""
+        return self._rows_of("counts_table")
+
+    @property
+    def seen_token_mask(self) -> torch.Tensor | None:
+        """[B, V] bool: the token occurs in row b's prompt or output; None without repetition penalties."""
+        return self._rows_of("seen_table")
+
+    def _rows_of(self, name: str) -> torch.Tensor | None:
+        table = getattr(self, name)
+        if table is None:
+            return None
+        if name not in self._gathered:
+            self._gathered[name] = table[self.rows]
+        return self._gathered[name]
+
+    def table_rows(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(``name``'s table or its gathered copy, the row of it that each step row reads): the
+        table and :attr:`rows` until a copy was gathered, then the copy and None (row b is b's);
+        (None, None) without the table."""
+        table = getattr(self, name)
+        if table is None or name in self._gathered:
+            return self._gathered.get(name), None
+        return table, self.rows
 
     @classmethod
     def from_requests(

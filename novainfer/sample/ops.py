@@ -92,13 +92,13 @@ def exponential_noise_triton(keys: torch.Tensor, token_ids: torch.Tensor) -> tor
 # on alignment either (each program reads one value of each).
 @triton.jit(do_not_specialize=["stride_temperature", "use_stop", "stride_stop", "use_repetition", "stride_repetition",
                                "stride_seen", "use_frequency", "stride_frequency", "use_presence", "stride_presence",
-                               "stride_counts"],
+                               "stride_counts", "use_table_rows"],
             do_not_specialize_on_alignment=["temperature_ptr", "repetition_ptr", "frequency_ptr", "presence_ptr"])
 def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
                  temperature_ptr, stride_temperature, greedy_ptr, keys_ptr,
                  use_stop, stop_ptr, stride_stop, use_repetition, repetition_ptr, stride_repetition, seen_ptr,
                  stride_seen, use_frequency, frequency_ptr, stride_frequency, use_presence, presence_ptr,
-                 stride_presence, counts_ptr, stride_counts,
+                 stride_presence, counts_ptr, stride_counts, use_table_rows, table_rows_ptr,
                  best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_sum_ptr,
                  BLOCK: tl.constexpr, NOISE: tl.constexpr, LSE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -116,13 +116,18 @@ def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
     if use_stop != 0:
         stop = tl.load(stop_ptr + row * stride_stop + cols, mask=in_vocab, other=0)
         x = tl.where(stop != 0, float("-inf"), x)
+    # The row of the seen-token mask and the counts: the sampling table's row of the request, or
+    # this row of copies gathered for the step.
+    table_row = row
+    if use_table_rows != 0:
+        table_row = tl.load(table_rows_ptr + row)
     if use_repetition != 0:
         penalty = tl.load(repetition_ptr + row * stride_repetition)
-        seen = tl.load(seen_ptr + row * stride_seen + cols, mask=in_vocab, other=0)
+        seen = tl.load(seen_ptr + table_row * stride_seen + cols, mask=in_vocab, other=0)
         # div_rn: IEEE division, as torch's (Triton's default float32 division is approximate).
         x = tl.where(seen != 0, tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty), x)
     if use_frequency + use_presence != 0:
-        counts = tl.load(counts_ptr + row * stride_counts + cols, mask=in_vocab, other=0)
+        counts = tl.load(counts_ptr + table_row * stride_counts + cols, mask=in_vocab, other=0)
         if use_frequency != 0:
             x = x - tl.load(frequency_ptr + row * stride_frequency) * counts.to(tl.float32)
         if use_presence != 0:
@@ -156,18 +161,24 @@ def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys
     Returns the tokens [B] int64 and, ``with_lse``, the log-sum-exp [B] float32 of the raw logits.
     """
     stop = None if metadata.min_tokens_mask is None else metadata.min_tokens_mask.view(torch.uint8)
-    seen = None if metadata.seen_token_mask is None else metadata.seen_token_mask.view(torch.uint8)
+    seen, seen_rows = metadata.table_rows("seen_table")
+    counts, counts_rows = metadata.table_rows("counts_table")
+    table_rows = seen_rows if seen is not None else counts_rows
+    if seen is not None and counts is not None and seen_rows is not counts_rows:
+        # One table gathered (changed in place) and the other not: both as copies, read at row b.
+        seen, counts, table_rows = metadata.seen_token_mask, metadata.output_token_counts, None
     return _draw(logits, metadata.temperature, metadata.is_greedy.contiguous().view(torch.uint8), keys, stop,
-                 seen, metadata.repetition_penalties, metadata.output_token_counts, metadata.frequency_penalties,
-                 metadata.presence_penalties, with_lse, block)
+                 None if seen is None else seen.view(torch.uint8), metadata.repetition_penalties, counts,
+                 metadata.frequency_penalties, metadata.presence_penalties, with_lse, block, table_rows)
 
 
 def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, keys: torch.Tensor | None,
           stop: torch.Tensor | None, seen: torch.Tensor | None, repetition: torch.Tensor,
           counts: torch.Tensor | None, frequency: torch.Tensor | None, presence: torch.Tensor | None,
-          with_lse: bool, block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+          with_lse: bool, block: int, table_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`draw_whole_vocabulary` on plain tensors (uint8 masks, int32 counts, float32 per-row
-    values; None for a stage the step skips)."""
+    values; None for a stage the step skips). ``seen`` and ``counts`` are [B, V], row b row b's, or,
+    with ``table_rows`` ([B] int64), tables whose row ``table_rows[b]`` is row b's."""
     batch_size, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, block)
     device = logits.device
@@ -189,6 +200,7 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
         int(seen is not None), repetition, repetition.stride(0), seen_table, seen_table.stride(0),
         int(frequency is not None), frequency_values, frequency_values.stride(0),
         int(presence is not None), presence_values, presence_values.stride(0), counts_table, counts_table.stride(0),
+        int(table_rows is not None), stand_in(table_rows, torch.int64, device),
         best_score, best_token, chunk_max, chunk_sum,
         BLOCK=block, NOISE=keys is not None, LSE=with_lse,
         # No fused multiply-adds, so that penalized logits round as torch's separate operations do.

@@ -232,6 +232,20 @@ def gather_logprobs(
     )
 
 
+def greedy_with_logprobs(logits: torch.Tensor, num_logprobs: int) -> tuple[torch.Tensor, LogprobsTensors]:
+    """A greedy step's tokens (the argmax of each row of ``logits`` [B, V], lowest id among equal
+    maxima) and their logprobs as :func:`gather_logprobs` gives them. On CUDA the top-k pass finds
+    the argmax too: its top entry, of rank 1 (no argmax and no rank count of their own)."""
+    if logits.is_cuda:
+        from novainfer.sample.topk import MAX_K, top_k_logprobs
+
+        if num_logprobs <= min(MAX_K, logits.shape[-1]):
+            logprobs = LogprobsTensors(*top_k_logprobs(logits, None, num_logprobs, None))
+            return logprobs.token_ids[:, 0], logprobs
+    sampled = logits.argmax(dim=-1)
+    return sampled, gather_logprobs(logits, sampled, num_logprobs)
+
+
 class Sampler(nn.Module):
     """Turns [B, V] logits (any float dtype; the arithmetic is float32) into one token per row,
     following SamplingMetadata."""

@@ -233,8 +233,6 @@ class SamplingStateTable:
         ints = self.int_params[rows_d]
         noise_keys = keys_d if any_seeded else None
         is_seeded = seeded_d if any_seeded else None
-        counts = self.output_counts[rows_d] if frequency or presence else None
-        seen = self.seen_mask[rows_d] if repetition else None
         min_tokens_mask = None
         if blocking:
             below = positions_d < ints[:, _MIN_TOKENS]
@@ -260,8 +258,8 @@ class SamplingStateTable:
             frequency_penalties=floats[:, _FREQUENCY] if frequency else None,
             repetition_penalties=floats[:, _REPETITION],
             no_penalties=not (repetition or frequency or presence),
-            output_token_counts=counts,
-            seen_token_mask=seen,
+            counts_table=self.output_counts if frequency or presence else None,
+            seen_table=self.seen_mask if repetition else None,
             min_tokens_mask=min_tokens_mask,
             max_num_logprobs=logprobs if logprobs >= 0 else None,
             rows=rows_d,
@@ -277,8 +275,8 @@ class SamplingStateTable:
         if metadata.no_penalties:
             return
         flat = metadata.rows * self.vocab_size + sampled
-        if metadata.output_token_counts is not None:
+        if metadata.counts_table is not None:
             ones = torch.ones_like(flat, dtype=torch.int32) if counted is None else counted.to(torch.int32)
             self.output_counts.view(-1).scatter_add_(0, flat, ones)
-        if metadata.seen_token_mask is not None:
+        if metadata.seen_table is not None:
             self.seen_mask.view(-1).index_fill_(0, flat, True)

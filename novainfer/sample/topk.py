@@ -142,17 +142,18 @@ def _compacted_top_k(keys, threshold, scratch_ptr, K: tl.constexpr, CAP: tl.cons
     return top
 
 
-@triton.jit(do_not_specialize=["width", "k", "stride_out", "use_sampled", "num_chunks", "lse_given"])
+@triton.jit(do_not_specialize=["width", "k", "stride_out", "logprobs", "sampled_is_top", "num_chunks", "lse_given"])
 def _top_k_merge_kernel(chunk_keys_ptr, width, k, values_ptr, ids_ptr, stride_out,
-                        use_sampled, num_chunks, sampled_ptr, sampled_logit_ptr, greater_ptr, ranks_ptr,
+                        logprobs, sampled_is_top, num_chunks, sampled_ptr, sampled_logit_ptr, greater_ptr, ranks_ptr,
                         lse_given, lse_ptr, chunk_max_ptr, chunk_sum_ptr,
                         WIDTH: tl.constexpr, K: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, WIDTH)
     top = tl.topk(tl.load(chunk_keys_ptr + row * width + cols, mask=cols < width, other=_NONE), K)
     values, ids = _unkey(top)
-    first = use_sampled  # 0 or 1
-    if use_sampled != 0:
+    out = tl.arange(0, K)
+    first = logprobs  # 0 or 1
+    if logprobs != 0:
         # Logprobs: column 0 the sampled token, then the top k, each its logit minus the row's
         # log-sum-exp; and the sampled token's rank.
         if lse_given != 0:
@@ -160,12 +161,17 @@ def _top_k_merge_kernel(chunk_keys_ptr, width, k, values_ptr, ids_ptr, stride_ou
         else:
             lse = combined_lse(chunk_max_ptr, chunk_sum_ptr, row, num_chunks, CHUNKS)
         values = values - lse
-        tl.store(ids_ptr + row * stride_out, tl.load(sampled_ptr + row))
-        tl.store(values_ptr + row * stride_out, tl.load(sampled_logit_ptr + row) - lse)
-        greater = tl.load(greater_ptr + row * num_chunks + tl.arange(0, CHUNKS), mask=tl.arange(0, CHUNKS) < num_chunks,
-                          other=0)
-        tl.store(ranks_ptr + row, tl.sum(greater, axis=0).to(tl.int64) + 1)
-    out = tl.arange(0, K)
+        if sampled_is_top != 0:
+            # A greedy step's token: the top entry (the lowest id among equal maxima, as argmax's).
+            tl.store(ids_ptr + row * stride_out, tl.sum(tl.where(out == 0, ids, 0), axis=0))
+            tl.store(values_ptr + row * stride_out, tl.sum(tl.where(out == 0, values, 0.0), axis=0))
+            tl.store(ranks_ptr + row, tl.full([], 1, tl.int64))
+        else:
+            tl.store(ids_ptr + row * stride_out, tl.load(sampled_ptr + row))
+            tl.store(values_ptr + row * stride_out, tl.load(sampled_logit_ptr + row) - lse)
+            greater = tl.load(greater_ptr + row * num_chunks + tl.arange(0, CHUNKS),
+                              mask=tl.arange(0, CHUNKS) < num_chunks, other=0)
+            tl.store(ranks_ptr + row, tl.sum(greater, axis=0).to(tl.int64) + 1)
     tl.store(values_ptr + row * stride_out + first + out, values, mask=out < k)
     tl.store(ids_ptr + row * stride_out + first + out, ids, mask=out < k)
 
@@ -182,7 +188,7 @@ def kernel_width(k: int) -> int:
 class _Logprobs:
     """The logprobs mode's inputs and outputs (see :func:`top_k_logprobs`)."""
 
-    sampled: torch.Tensor  # [B] int64
+    sampled: torch.Tensor | None  # [B] int64, or None for each row's top entry (a greedy step)
     lse: torch.Tensor | None  # [B] float32, or None to compute it
     ids: torch.Tensor  # [B, 1 + k] int64
     logprobs: torch.Tensor  # [B, 1 + k] float32
@@ -201,15 +207,17 @@ def top_k(logits: torch.Tensor, k: int, block: int = 4096) -> tuple[torch.Tensor
     return values, ids
 
 
-def top_k_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: int, lse: torch.Tensor | None,
+def top_k_logprobs(logits: torch.Tensor, sampled: torch.Tensor | None, num_logprobs: int, lse: torch.Tensor | None,
                    block: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of ``logits`` [B, V] (any float dtype) in the same two launches as :func:`top_k`:
     token ids [B, 1 + n] int64 (column 0 the ``sampled`` token [B] int64, then the top
     n = ``num_logprobs`` <= MAX_K as :func:`top_k` orders them), their logprobs [B, 1 + n] float32
     (logit minus the row's log-sum-exp, ``lse`` [B] float32 where given, else computed in the
-    pass), and the sampled tokens' ranks [B] int64 (1 + the number of strictly larger logits)."""
+    pass), and the sampled tokens' ranks [B] int64 (1 + the number of strictly larger logits).
+    ``sampled`` None: each row's top entry, the argmax (a greedy step's token, whose rank is 1),
+    with no argmax of its own and no ranks counted."""
     batch_size, device = logits.shape[0], logits.device
-    mode = _Logprobs(sampled.contiguous(), lse,
+    mode = _Logprobs(None if sampled is None else sampled.contiguous(), lse,
                      torch.empty(batch_size, 1 + num_logprobs, dtype=torch.int64, device=device),
                      torch.empty(batch_size, 1 + num_logprobs, dtype=torch.float32, device=device),
                      torch.empty(batch_size, dtype=torch.int64, device=device))
@@ -240,22 +248,24 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tenso
     sampled = sampled_logit = greater = ranks = lse = chunk_max = chunk_sum = None
     if mode is not None:
         sampled, ranks, lse = mode.sampled, mode.ranks, mode.lse
-        sampled_logit = torch.empty(batch_size, dtype=torch.float32, device=device)
-        greater = torch.empty(batch_size, num_chunks, dtype=torch.int32, device=device)
+        if sampled is not None:
+            sampled_logit = torch.empty(batch_size, dtype=torch.float32, device=device)
+            greater = torch.empty(batch_size, num_chunks, dtype=torch.int32, device=device)
         if lse is None:
             chunk_max = torch.empty(batch_size, num_chunks, dtype=torch.float32, device=device)
             chunk_sum = torch.empty_like(chunk_max)
     int64s = [stand_in(t, torch.int64, device) for t in (sampled, ranks)]
     float32s = [stand_in(t, torch.float32, device) for t in (sampled_logit, lse, chunk_max, chunk_sum)]
     greater = stand_in(greater, torch.int32, device)
-    use_sampled, use_lse = int(mode is not None), int(chunk_max is not None)
+    use_sampled, use_lse = int(sampled is not None), int(chunk_max is not None)
     _launch_top_k_chunks[(batch_size, num_chunks)](
         logits, logits.stride(0), vocab_size, num_chunks, scratch, chunk_keys,
         use_sampled, int64s[0], float32s[0], greater, use_lse, float32s[2], float32s[3],
         BLOCK=block, K=width, GROUPS=groups, CAP=cap, TWO_PER_GROUP=two_per_group, num_warps=8)
     _launch_top_k_merge[(batch_size,)](
         chunk_keys, num_chunks * width, k if stored is None else stored, values, ids, values.stride(0),
-        use_sampled, num_chunks, int64s[0], float32s[0], greater, int64s[1],
+        int(mode is not None), int(mode is not None and sampled is None), num_chunks, int64s[0], float32s[0],
+        greater, int64s[1],
         int(lse is not None), float32s[1], float32s[2], float32s[3],
         WIDTH=triton.next_power_of_2(num_chunks * width), K=width, CHUNKS=triton.next_power_of_2(num_chunks),
         num_warps=8)

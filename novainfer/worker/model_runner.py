@@ -36,7 +36,7 @@ from novainfer.sample.metadata import SamplingMetadata
 from novainfer.sample.rejection_sampler import (RejectionSamplerOutput, add_preceding_drafts, greedy_verify,
                                                 rejection_sample)
 from novainfer.sample.sampler import (LogprobsTensors, apply_min_tokens, apply_penalties, exponential_draws,
-                                      gather_logprobs, sampling_probs)
+                                      gather_logprobs, greedy_with_logprobs, sampling_probs)
 from novainfer.sample.state import copy_to_device
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graphs import GraphKey, StepGraphs, cudagraph_capture_sizes
@@ -97,6 +97,9 @@ class StagedStep:
     # Added on the device to the step's logits rows (a draft's catch-up: which of a request's rows
     # holds its newest token is known there first).
     logits_offsets: torch.Tensor | None = None
+    # Whether every input token is one of ``previous_tokens`` (a decode step under async
+    # scheduling): then one gather fills the inputs, where a mix takes five operations.
+    all_inputs_previous: bool = False
 
     def copy_previous_tokens(self, devices: Sequence[torch.device]) -> None:
         """Queues the copies of ``previous_tokens`` to other ranks' devices, from the staging rank's
@@ -483,7 +486,8 @@ class ModelRunner:
         # Only the real sequences' block-table rows are copied: padding sequences have no context,
         # so the kernels never read their rows, which keep older valid ids.
         return StagedStep(buffers, data_end, block_tables.shape, num_tokens, num_seqs, num_logits, query_lens,
-                          seq_lens, graph_key, all_rows, greedy, previous_tokens if token_sources is not None else None)
+                          seq_lens, graph_key, all_rows, greedy, previous_tokens if token_sources is not None else None,
+                          all_inputs_previous=token_sources is not None and bool((token_sources >= 0).all()))
 
     def _runs_as_decode_rows(self, query_lens: np.ndarray, start_pos: np.ndarray) -> bool:
         """Whether a step with several query tokens in some sequence, a few per sequence (a
@@ -553,7 +557,10 @@ class ModelRunner:
             sources = views["token_sources"][:staged.num_tokens]
             previous = staged.previous_tokens_on(self.device)
             input_ids = views["input_ids"][:staged.num_tokens]
-            input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
+            if staged.all_inputs_previous:
+                torch.index_select(previous, 0, sources, out=input_ids)
+            else:
+                input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
         if staged.logits_offsets is not None:
             views["logits_indices"][:staged.num_logits].add_(staged.logits_offsets)
         return views
@@ -914,9 +921,7 @@ class ModelRunner:
         if argmax_only:
             sampled, logprobs = self._greedy_tokens(head_output), None
         elif num_logprobs is not None:  # greedy with logprobs: both off the whole logits, without the sampler
-            logits = self._full_logits(head_output)
-            sampled = logits.argmax(dim=-1)
-            logprobs = gather_logprobs(logits, sampled, num_logprobs)
+            sampled, logprobs = greedy_with_logprobs(self._full_logits(head_output), num_logprobs)
         else:
             metadata = self.sampling_table.gather(np.fromiter((s.row for s in sampling), np.int64, len(sampling)),
                                                   np.asarray(num_outputs, dtype=np.int64))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ pytest.importorskip("triton")
 from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
 from novainfer.sample.ops import draw_candidates, draw_nucleus, draw_whole_vocabulary  # noqa: E402
 from novainfer.sample.rng import exponential_noise_torch  # noqa: E402
+from novainfer.sample.state import SamplingStateTable  # noqa: E402
 from novainfer.sample.sampler import (  # noqa: E402
     _min_p_probs, apply_penalties_and_min_tokens, mask_sorted_top_k_top_p, random_sample, sampling_probs)
 from novainfer.sampling_params import SamplingParams  # noqa: E402
@@ -71,7 +73,12 @@ def batch(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, SamplingMetadata
     outputs[8] = outputs[8][:2]
     outputs[2] = []
     outputs[7] = [10, 10, 10, 20]
-    metadata = SamplingMetadata.from_requests(PARAMS, outputs, prompts, DEVICE, VOCAB)
+    # The requests sit in table rows neither in order nor contiguous: the fused draw reads each
+    # row's penalty state where the table keeps it.
+    table = SamplingStateTable(VOCAB, torch.device(DEVICE))
+    rows = [3 * i + 2 for i in reversed(range(len(PARAMS)))]
+    table.add_requests(rows, PARAMS, prompts, outputs)
+    metadata = table.gather(np.asarray(rows, dtype=np.int64), np.asarray([len(o) for o in outputs], dtype=np.int64))
     return logits.to(dtype), metadata
 
 

@@ -103,6 +103,19 @@ def test_logprobs_mode_gives_the_sampled_and_top_logprobs_and_ranks(num_logprobs
     assert want_ranks[1].item() == 1 and want_ranks[3].item() > 5
 
 
+@pytest.mark.parametrize("num_logprobs", [0, 5])
+def test_greedy_logprobs_take_the_top_entry_as_the_token(num_logprobs):
+    """Without a sampled token the logprobs mode's token is each row's argmax (lowest id among
+    equal maxima, as ``torch.argmax``), of rank 1: what the mode gives when handed that argmax."""
+    logits = rows(torch.float16, 5).to(DEVICE)
+    argmax = logits.float().argmax(dim=-1)
+    given = top_k_logprobs(logits, argmax, num_logprobs, None, block=BLOCK)
+    found = top_k_logprobs(logits, None, num_logprobs, None, block=BLOCK)
+    assert torch.equal(found[0], given[0]) and torch.equal(found[2], given[2])
+    assert torch.equal(found[0][:, 0], argmax) and found[2].tolist() == [1] * logits.shape[0]
+    torch.testing.assert_close(found[1], given[1], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- the sampler's CUDA path (GPU)
 
 
