@@ -23,6 +23,7 @@ nothing here synchronises with the host, so a decode-only step can be captured i
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -131,12 +132,42 @@ class TritonAttentionBackend(AttentionBackend):
                 scale: float) -> torch.Tensor:
         plan: TritonAttentionPlan = metadata.backend_data
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if plan.has_prefills:
-            prefill_attention(query, k_cache, v_cache, out, metadata.query_start_loc, metadata.seq_lens,
-                              metadata.block_tables, scale, skip_decodes=plan.num_decodes > 0)
-        if plan.num_decodes:
-            num_splits, workspace = plan.decode_launch(metadata.num_seqs, query.shape[1], k_cache)
+
+        def decode() -> None:
             decode_attention(query, k_cache, v_cache, out, metadata.seq_lens, metadata.block_tables, scale,
                              num_splits, query_start_loc=None if plan.decode_only else metadata.query_start_loc,
                              workspace=workspace)
+
+        def prefill() -> None:
+            prefill_attention(query, k_cache, v_cache, out, metadata.query_start_loc, metadata.seq_lens,
+                              metadata.block_tables, scale, skip_decodes=plan.num_decodes > 0)
+
+        if plan.num_decodes:
+            num_splits, workspace = plan.decode_launch(metadata.num_seqs, query.shape[1], k_cache)
+        if plan.has_prefills and plan.num_decodes:
+            _concurrently(prefill, decode, query.device)
+        elif plan.has_prefills:
+            prefill()
+        else:
+            decode()
         return out
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _concurrently(first, second, device: torch.device) -> None:
+    """Runs ``first`` on the current stream and ``second`` on a side stream beside it, both after
+    what the current stream holds and before what it gets next. In a mixed step the prefill kernel
+    (a few programs per prompt tile, the last walking the whole prompt) leaves most of the GPU idle
+    in its tail; the decode kernel, which writes other rows of the output, fills it. Captured in a
+    CUDA graph, the fork and join are edges of the graph."""
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    first()  # launched first: its longest programs should start first
+    with torch.cuda.stream(side):
+        second()
+    main.wait_stream(side)
