@@ -4,6 +4,7 @@ compare NovaInfer with transformers on the same requests (whose greedy tokens ar
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -117,6 +118,18 @@ def test_mixed_step_benchmark_times_the_step_kinds_it_names(tmp_path):
     decode, mixed = results["steps"]
     assert decode["steps_by_kind"] == {"decode": 4} and mixed["steps_by_kind"] == {"mixed": 4}
     assert results["ratio_of"] == "wall_ms" and results["mixed_over_decode"] > 0
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    """Against a count of the unit cells some interval covers (integer end points)."""
+    generator = random.Random(0)
+    for _ in range(200):
+        intervals = []
+        for _ in range(generator.randint(0, 8)):
+            start = generator.randint(0, 40)
+            intervals.append((start, start + generator.randint(0, 12)))
+        covered = {cell for start, end in intervals for cell in range(start, end)}
+        assert mixed_step.busy_time(intervals) == len(covered)
 
 
 def test_latency_times_both_sides(tmp_path):
