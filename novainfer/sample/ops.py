@@ -338,6 +338,10 @@ def _draw_candidates_kernel(values_ptr, ids_ptr, stride_candidates, num_candidat
             probs = tl.where(probs < tl.load(min_p_ptr + row * stride_min_p) * tl.max(probs, axis=0), 0.0, probs)
         ids = tl.load(ids_ptr + base + cols, mask=cols < num_candidates, other=0)
         race = tl.math.div_rn(probs, _exponential(tl.load(keys_ptr + row), ids))
+        # Columns past the row's candidates, and NaN (a row of broken logits), rank below every
+        # real race (>= 0): otherwise a row of NaN may pick a column past its candidates, whose
+        # "id" is whatever memory follows the row.
+        race = tl.where(kept & (race == race), race, -1.0)
         _, choice = tl.max(race, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(tokens_ptr + row, tl.load(ids_ptr + base + choice))
 
