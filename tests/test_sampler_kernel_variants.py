@@ -47,8 +47,9 @@ def draw_variants(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    monkeypatch.setattr(ops, "_draw_kernel", Recorder())
-    monkeypatch.setattr(ops, "_combine_chunks_kernel", Skipped())
+    # The launchers ops calls (each holds its kernel).
+    monkeypatch.setattr(ops, "_launch_draw", Recorder())
+    monkeypatch.setattr(ops, "_launch_combine_chunks", Skipped())
     return variants
 
 
