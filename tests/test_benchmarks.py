@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from benchmarks import api_process, latency, mixed_step, sampling_paths, spec_decode, throughput
+from benchmarks import api_process, latency, launch_cost, mixed_step, sampling_paths, spec_decode, throughput
 from benchmarks.architectures import ARCHITECTURES, get_architecture, hf_config
 
 
@@ -130,6 +130,15 @@ def test_busy_time_counts_overlapping_kernels_once():
             intervals.append((start, start + generator.randint(0, 12)))
         covered = {cell for start, end in intervals for cell in range(start, end)}
         assert mixed_step.busy_time(intervals) == len(covered)
+
+
+def test_launch_cost_times_every_torch_call_on_cpu(tmp_path):
+    results = launch_cost.main(["--device", "cpu", "--calls", "20", "--repeats", "2", "--tokens", "8", "--hidden", "16",
+                                "--qkv", "24", "--results-dir", str(tmp_path), "--output", "run"])
+    assert json.loads((tmp_path / "run.json").read_text())["us_per_call"] == results["us_per_call"]
+    assert set(results["us_per_call"]) == {"torch.mm", "torch.empty", "nn.Module call", "Tensor.split (3)"}
+    assert all(us > 0 for us in results["us_per_call"].values())
+    assert results["floor"] == {}  # the floor needs the Triton rows (CUDA)
 
 
 def test_latency_times_both_sides(tmp_path):
