@@ -8,18 +8,17 @@ order of a stable descending sort). -0.0 ranks below +0.0 and NaN above +inf (or
 NaN, below -inf): a stable sort compares them otherwise, but they are values that compare equal
 or broken logits.
 
-Three launches, two of them reading the row once each at the memory's pace. The first cuts each
-row into chunks and finds, per chunk, a threshold that k of its entries reach: it splits the chunk
-into ``GROUPS`` >= k strided groups and takes the k-th largest of the group maxima (k groups have
-a maximum at or above it). The row's k largest are all at or above the largest of its chunks'
-thresholds, since that chunk alone holds k such entries. The second appends each chunk's entries
-at or above the row's threshold to the row's candidates (an atomic counter gives each chunk its
-slots): typically a few times k of the row's entries, in a buffer of ``CANDIDATES_PER_K * k``. The
-third sorts each row's candidates only (a bitonic top-k, ``tl.topk``). A row with more candidates
-than the buffer holds (many entries equal at the threshold: a row of equal, ``-inf`` or NaN logits)
-is scanned whole in the third launch instead, chunk by chunk: the same result, slower. Only
-comparisons on the float32 value's 32-bit ordered key run over the whole row; int64 keys are made
-for the candidates alone.
+A row threshold first, then a sort of the few entries that reach it; four launches. The first
+cuts each row into chunks, splits each chunk into ``GROUPS`` >= k strided groups and keeps the k
+largest group maxima of the chunk. The second takes the k-th largest of the row's kept maxima: k
+distinct entries reach it (those group maxima), so the row's k largest all do, and for the logits
+a model gives, few others do. The third appends the entries at or above the threshold to the
+row's candidates (an atomic counter gives each chunk its slots), in a buffer of
+``CANDIDATES_PER_K * k``; the fourth sorts each row's candidates only (a bitonic top-k,
+``tl.topk``). A row with more candidates than the buffer holds (many entries equal at the
+threshold: a row of equal, ``-inf`` or NaN logits) is scanned whole in the fourth launch instead,
+chunk by chunk: the same result, slower. Passes over the whole row compare the float32 value's
+32-bit ordered key; int64 keys are made for the candidates alone.
 """
 
 from __future__ import annotations
@@ -87,11 +86,11 @@ def combined_lse(chunk_max_ptr, chunk_sum_ptr, row, num_chunks, CHUNKS: tl.const
 
 
 @triton.jit(do_not_specialize=["stride_logits", "vocab_size", "num_chunks", "use_sampled", "use_lse"])
-def _chunk_threshold_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, thresholds_ptr, counts_ptr,
-                            use_sampled, sampled_ptr, sampled_logit_ptr, greater_ptr, use_lse, chunk_max_ptr,
-                            chunk_sum_ptr, BLOCK: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr):
-    """Per chunk: a threshold that at least K of its entries reach (the K-th largest of its strided
-    groups' maxima, as an :func:`ordered_key`), and the logprobs mode's per-chunk parts."""
+def _chunk_maxima_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, maxima_ptr,
+                         use_sampled, sampled_ptr, sampled_logit_ptr, greater_ptr, use_lse, chunk_max_ptr,
+                         chunk_sum_ptr, BLOCK: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr):
+    """Per chunk: the K largest maxima of its strided groups (as :func:`ordered_key` keys), and the
+    logprobs mode's per-chunk parts."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     program = row * num_chunks + chunk
@@ -112,28 +111,37 @@ def _chunk_threshold_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, t
     # Group g holds the entries g, g + GROUPS, ...: strided, so that runs of neighbouring ids with
     # large (or equal) values spread over many groups.
     group_max = tl.max(tl.reshape(keys, [BLOCK // GROUPS, GROUPS]), axis=0)
-    tl.store(thresholds_ptr + program, tl.min(tl.topk(group_max, K), axis=0))
-    if chunk == 0:
-        tl.store(counts_ptr + row, 0)  # the collection's counter, read only after this launch
+    tl.store(maxima_ptr + program * K + tl.arange(0, K), tl.topk(group_max, K))
 
 
-_launch_chunk_thresholds = KernelLauncher(_chunk_threshold_kernel)
+_launch_chunk_maxima = KernelLauncher(_chunk_maxima_kernel)
 
 
-@triton.jit(do_not_specialize=["stride_logits", "vocab_size", "num_chunks", "cap"])
-def _collect_candidates_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, thresholds_ptr, counts_ptr,
-                               candidates_ptr, cap, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    """Appends the chunk's keys at or above the row's threshold (the largest of its chunks') to the
-    row's candidates; slots past ``cap`` are counted but not written."""
+@triton.jit(do_not_specialize=["width"])
+def _row_threshold_kernel(maxima_ptr, width, thresholds_ptr, counts_ptr, K: tl.constexpr, WIDTH: tl.constexpr):
+    """Per row: the K-th largest of its group maxima (K distinct entries reach it, and so do the
+    row's K largest), and the collection's counter set to 0."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, WIDTH)
+    maxima = tl.load(maxima_ptr + row * width + cols, mask=cols < width, other=_BELOW32)
+    tl.store(thresholds_ptr + row, tl.min(tl.topk(maxima, K), axis=0))
+    tl.store(counts_ptr + row, 0)
+
+
+_launch_row_threshold = KernelLauncher(_row_threshold_kernel)
+
+
+@triton.jit(do_not_specialize=["stride_logits", "vocab_size", "cap"])
+def _collect_candidates_kernel(logits_ptr, stride_logits, vocab_size, thresholds_ptr, counts_ptr, candidates_ptr,
+                               cap, BLOCK: tl.constexpr):
+    """Appends the chunk's keys at or above the row's threshold to the row's candidates; slots past
+    ``cap`` are counted but not written."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    chunks = tl.arange(0, CHUNKS)
-    threshold = tl.max(tl.load(thresholds_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
-                               other=_BELOW32), axis=0)
     ids = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_vocab = ids < vocab_size
     x = tl.load(logits_ptr + row * stride_logits + ids, mask=in_vocab, other=float("-inf")).to(tl.float32)
-    candidate = in_vocab & (ordered_key(x) >= threshold)
+    candidate = in_vocab & (ordered_key(x) >= tl.load(thresholds_ptr + row))
     count = tl.sum(candidate.to(tl.int32), axis=0)
     if count > 0:
         start = tl.atomic_add(counts_ptr + row, count)
@@ -258,10 +266,11 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tenso
     block = max(min(block, triton.next_power_of_2(vocab_size)), width)
     num_chunks = triton.cdiv(vocab_size, block)
     groups = min(256, block)  # >= width: every width divides 256, and block >= width
-    # A row's candidates: typically a few times k (the row's threshold is its highest chunk's).
+    # A row's candidates: typically little more than k.
     cap = CANDIDATES_PER_K * width
     device = logits.device
-    thresholds = torch.empty(batch_size, num_chunks, dtype=torch.int32, device=device)
+    maxima = torch.empty(batch_size, num_chunks * width, dtype=torch.int32, device=device)
+    thresholds = torch.empty(batch_size, dtype=torch.int32, device=device)
     counts = torch.empty(batch_size, dtype=torch.int32, device=device)
     candidates = torch.empty(batch_size, cap, dtype=torch.int64, device=device)
     # Absent inputs and outputs are never touched (their flag is off); stand-ins of the same dtypes
@@ -280,13 +289,14 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tenso
     greater = stand_in(greater, torch.int32, device)
     use_sampled, use_lse = int(sampled is not None), int(chunk_max is not None)
     chunks_pad = triton.next_power_of_2(num_chunks)
-    _launch_chunk_thresholds[(batch_size, num_chunks)](
-        logits, logits.stride(0), vocab_size, num_chunks, thresholds, counts,
+    _launch_chunk_maxima[(batch_size, num_chunks)](
+        logits, logits.stride(0), vocab_size, num_chunks, maxima,
         use_sampled, int64s[0], float32s[0], greater, use_lse, float32s[2], float32s[3],
         BLOCK=block, K=width, GROUPS=groups, num_warps=8)
+    _launch_row_threshold[(batch_size,)](maxima, num_chunks * width, thresholds, counts, K=width,
+                                         WIDTH=triton.next_power_of_2(num_chunks * width), num_warps=8)
     _launch_collect_candidates[(batch_size, num_chunks)](
-        logits, logits.stride(0), vocab_size, num_chunks, thresholds, counts, candidates, cap,
-        BLOCK=block, CHUNKS=chunks_pad, num_warps=8)
+        logits, logits.stride(0), vocab_size, thresholds, counts, candidates, cap, BLOCK=block, num_warps=8)
     _launch_select_top_k[(batch_size,)](
         candidates, counts, cap, logits, logits.stride(0), vocab_size, k if stored is None else stored, values, ids,
         values.stride(0), int(mode is not None), int(mode is not None and sampled is None), num_chunks, int64s[0],

@@ -52,10 +52,10 @@ def test_top_k_equals_the_first_k_of_a_stable_descending_sort(dtype, k):
 
 
 def test_rows_whose_candidates_overflow_are_scanned_whole():
-    """The row's threshold is the largest of its chunks' (the k-th largest of each chunk's strided
-    group maxima). Here the largest value sits in few groups of each chunk (ids below 16 modulo
-    64) and is repeated, so far more entries reach the threshold than the row's candidate buffer
-    holds; the row is then scanned whole. Another row overflows with one value every third id
+    """The row's threshold is the k-th largest of its chunks' strided group maxima. Here the
+    largest value sits in few groups of each chunk (ids below 16 modulo 64) and is repeated, so
+    far more entries reach the threshold than the row's candidate buffer holds; the row is then
+    scanned whole. Another row overflows with one value every third id
     across its chunks, and a third is ordinary."""
     from novainfer.sample.topk import CANDIDATES_PER_K, kernel_width
 
