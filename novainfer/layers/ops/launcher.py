@@ -11,8 +11,8 @@ still binds its arguments with the kernel's own Triton binder, so it sees exactl
 specialization Triton would compute (argument dtypes, 16-byte alignment of pointers, integers
 equal to 1 or divisible by 16, 32- or 64-bit integers, every constexpr) and, with the options
 (``num_warps``, ``num_stages``, ...) and the device, that is the key of its table of binaries. A
-key seen before launches its binary directly, passing tensors as their device addresses; a new one
-goes through ``kernel[grid]``, which compiles if needed and launches, and its binary is kept. Triton's interpreter, a launch hook
+key seen before launches its binary directly; a new one goes through ``kernel[grid]``, which
+compiles if needed and launches, and its binary is kept. Triton's interpreter, a launch hook
 (profilers such as proton install one), a pre-run hook on the kernel and ``direct_launches(False)``
 take the plain path always.
 
@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
@@ -82,29 +81,17 @@ class KernelLauncher:
         binder = self.kernel.device_caches[device][-1]
         bound, specialization, options = binder(*args, **kwargs)
         key = (device, *specialization, *options.items())
-        kept = self._binaries.get(key)
-        if kept is None:
-            self._first_launch(key, grid, args, kwargs, bound)
+        binary = self._binaries.get(key)
+        if binary is None:
+            self._first_launch(key, grid, args, kwargs)
             return
-        binary, pointers = kept
-        values = list(bound.values())
-        # Device addresses as integers: the binary's launcher otherwise calls each tensor's
-        # ``data_ptr`` and asks the driver about the address (cuPointerGetAttribute) on every launch.
-        for i in pointers:
-            tensor = values[i]
-            if not tensor.is_cuda:  # the plain path names the argument that is not device memory
-                self.kernel[grid](*args, **kwargs)
-                return
-            values[i] = tensor.data_ptr()
         binary.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                   current_stream(device), binary.function, binary.packed_metadata, None, None, None, *values)
+                   current_stream(device), binary.function, binary.packed_metadata, None, None, None,
+                   *bound.values())
 
-    def _first_launch(self, key: tuple, grid: Sequence[int], args: tuple, kwargs: dict[str, Any],
-                      bound: dict[str, Any]) -> None:
+    def _first_launch(self, key: tuple, grid: Sequence[int], args: tuple, kwargs: dict[str, Any]) -> None:
         binary = self.kernel[grid](*args, **kwargs)
         if hasattr(binary, "result"):  # Triton's asynchronous compilation mode
             binary = binary.result()
         if binary is not None:  # None: a cache hook stopped the launch; nothing to keep
-            # Which arguments are tensors is part of the key (None and tensors specialize apart).
-            pointers = tuple(i for i, value in enumerate(bound.values()) if isinstance(value, torch.Tensor))
-            self._binaries[key] = (binary, pointers)
+            self._binaries[key] = binary
