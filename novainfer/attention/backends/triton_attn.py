@@ -72,7 +72,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     A decode-only step is one store and one decode launch (plus a reduce when split). A step that
     holds prompt chunks runs the prefill kernel over the sequences with more than one query and,
-    if some sequences decode, the decode kernel over those. With RoPE (:meth:`forward_rotary`) the
+    if some sequences decode, the decode kernel over those, on a side stream beside it. With RoPE (:meth:`forward_rotary`) the
     rotation is part of the store: one kernel rotates the queries in place and stores rotated keys.
     """
 
