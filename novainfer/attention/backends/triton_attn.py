@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,8 +73,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     A decode-only step is one store and one decode launch (plus a reduce when split). A step that
     holds prompt chunks runs the prefill kernel over the sequences with more than one query and,
-    if some sequences decode, the decode kernel over those, on a side stream beside it. With RoPE (:meth:`forward_rotary`) the
-    rotation is part of the store: one kernel rotates the queries in place and stores rotated keys.
+    if some sequences decode, the decode kernel over those, on a side stream beside it. With RoPE
+    (:meth:`forward_rotary`) the rotation is part of the store: one kernel rotates the queries in
+    place and stores rotated keys.
     """
 
     name = "triton"
@@ -158,7 +160,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _concurrently(first, second, device: torch.device) -> None:
+def _concurrently(first: Callable[[], None], second: Callable[[], None], device: torch.device) -> None:
     """Runs ``first`` on the current stream and ``second`` on a side stream beside it, both after
     what the current stream holds and before what it gets next. In a mixed step the prefill kernel
     (a few programs per prompt tile, the last walking the whole prompt) leaves most of the GPU idle
