@@ -8,16 +8,17 @@ order of a stable descending sort). -0.0 ranks below +0.0 and NaN above +inf (or
 NaN, below -inf): a stable sort compares them otherwise, but they are values that compare equal
 or broken logits.
 
-Two launches. The first cuts each row into chunks; a program keeps its chunk's k largest keys.
-Rather than sorting the chunk, it splits it into ``GROUPS`` >= k strided groups and takes the k-th
-largest of the group maxima as a threshold: k groups have a maximum at or above it, so at least k
-keys are, and the chunk's k largest are among the keys at or above it, typically about 1.15 k of
-the chunk's 4,096. Those candidates are compacted (a prefix sum gives each its slot) and only they
-are sorted (a bitonic top-k, ``tl.topk``). Where more than ``CAP`` keys pass (only at most k groups
-hold them, so a chunk whose largest values share few residues modulo ``GROUPS``), the whole chunk
-is sorted instead: the same result, slower. For k up to 16 (logprobs, small top-k) the chunk keeps
-each of 256 groups' two largest keys instead, which hold every candidate unless a group has three
-(then the whole chunk is sorted). The second launch takes each row's k largest of its chunks' lists.
+Four launches, two of them reading the row once each, and no sort over a chunk of the row in the
+common case (k below is the compiled width that serves the k asked for). The first cuts each row into chunks of ``BLOCK`` and
+writes the maxima of each chunk's ``GROUPS`` strided groups. The second takes a row's threshold,
+the k-th largest of all its groups' maxima: k groups have a maximum at or above it, so at least k
+entries are, and the row's k largest are among the entries at or above it, typically about 1.1 k
+of the row's 151,936 with four maxima per wanted entry. The third appends each chunk's entries at
+or above the threshold to the row's candidates (an atomic counter on the row gives each its slot);
+where more than k of a chunk's reach it (many equal values, a row of ``-inf`` or NaN logits, or
+the largest values crowded into few groups), it appends the chunk's k largest instead (a bitonic
+top-k over the chunk, ``tl.topk``): the same result, slower. So a row never gets more than k
+candidates per chunk. The fourth sorts each row's candidates only.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ _LOW31 = tl.constexpr(0x7FFFFFFF)
 # Below every key of a real entry (whose low half, the complemented id, is never 0 with a high half
 # at its minimum): the padding past the vocabulary.
 _NONE = tl.constexpr(-(2**63))
+# At or below every ordered_key of a value (-inf's and negative NaNs' included): the padding past the
+# vocabulary among 32-bit keys.
+_BELOW32 = tl.constexpr(-(2**31))
 
 
 @triton.jit
@@ -81,11 +85,11 @@ def combined_lse(chunk_max_ptr, chunk_sum_ptr, row, num_chunks, CHUNKS: tl.const
 
 
 @triton.jit(do_not_specialize=["stride_logits", "vocab_size", "num_chunks", "use_sampled", "use_lse"])
-def _top_k_chunks_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, scratch_ptr, out_ptr,
+def _group_maxima_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, maxima_ptr, counts_ptr,
                          use_sampled, sampled_ptr, sampled_logit_ptr, greater_ptr, use_lse, chunk_max_ptr,
-                         chunk_sum_ptr,
-                         BLOCK: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr,
-                         TWO_PER_GROUP: tl.constexpr):
+                         chunk_sum_ptr, BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    """Per chunk: the maxima of its ``GROUPS`` strided groups (as :func:`ordered_key` keys), and the
+    logprobs mode's per-chunk parts."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     program = row * num_chunks + chunk
@@ -102,54 +106,75 @@ def _top_k_chunks_kernel(logits_ptr, stride_logits, vocab_size, num_chunks, scra
         chunk_max = tl.max(x, axis=0)
         tl.store(chunk_max_ptr + program, chunk_max)
         tl.store(chunk_sum_ptr + program, tl.sum(tl.where(x > float("-inf"), tl.exp(x - chunk_max), 0.0), axis=0))
-    keys = tl.where(in_vocab, _keys(x, ids), _NONE)
     # Group g holds the entries g, g + GROUPS, ...: strided, so that runs of neighbouring ids with
     # large (or equal) values spread over many groups.
-    grouped = tl.reshape(keys, [BLOCK // GROUPS, GROUPS])
-    group_max = tl.max(grouped, axis=0)
-    threshold = tl.min(tl.topk(group_max, K), axis=0)
-    if TWO_PER_GROUP:
-        # Where no group holds more than two keys at or above the threshold, the chunk's k largest
-        # are among the groups' two largest: no compaction.
-        rest = tl.where(grouped == group_max[None, :], _NONE, grouped)
-        if tl.max(tl.sum((rest >= threshold).to(tl.int32), axis=0), axis=0) <= 1:
-            top = tl.topk(tl.reshape(tl.join(group_max, tl.max(rest, axis=0)), [2 * GROUPS]), K)
-        else:
-            top = tl.topk(keys, K)
-    else:
-        top = _compacted_top_k(keys, threshold, scratch_ptr + program * CAP, K, CAP)
-    tl.store(out_ptr + program * K + tl.arange(0, K), top)
+    keys = tl.where(in_vocab, ordered_key(x), _BELOW32)
+    group_max = tl.max(tl.reshape(keys, [BLOCK // GROUPS, GROUPS]), axis=0)
+    tl.store(maxima_ptr + program * GROUPS + tl.arange(0, GROUPS), group_max)
+    if chunk == 0:
+        tl.store(counts_ptr + row, 0)  # the collection's counter, first read by the next launch but one
 
 
-_launch_top_k_chunks = KernelLauncher(_top_k_chunks_kernel)
+_launch_group_maxima = KernelLauncher(_group_maxima_kernel)
 
 
-@triton.jit
-def _compacted_top_k(keys, threshold, scratch_ptr, K: tl.constexpr, CAP: tl.constexpr):
-    """The ``K`` largest ``keys``, all at or above ``threshold``: the candidates are compacted into
-    ``scratch_ptr``'s ``CAP`` slots and only they are sorted (all keys where more pass)."""
-    candidate = keys >= threshold
+@triton.jit(do_not_specialize=["num_maxima"])
+def _row_threshold_kernel(maxima_ptr, num_maxima, thresholds_ptr, MAXIMA: tl.constexpr, K: tl.constexpr):
+    """A row's threshold: the K-th largest of its groups' maxima (K groups have a maximum at or above
+    it, so at least K entries are)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, MAXIMA)
+    maxima = tl.load(maxima_ptr + row * num_maxima + cols, mask=cols < num_maxima, other=_BELOW32)
+    tl.store(thresholds_ptr + row, tl.min(tl.topk(maxima, K), axis=0))
+
+
+_launch_row_thresholds = KernelLauncher(_row_threshold_kernel)
+
+
+@triton.jit(do_not_specialize=["stride_logits", "vocab_size", "row_slots"])
+def _collect_candidates_kernel(logits_ptr, stride_logits, vocab_size, thresholds_ptr, counts_ptr, candidates_ptr,
+                               row_slots, BLOCK: tl.constexpr, K: tl.constexpr):
+    """Appends the chunk's entries at or above the row's threshold to the row's candidates as int64
+    keys, or, where more than K reach it, the chunk's K largest: at most K per chunk, so the row's
+    ``row_slots`` (K per chunk) always hold them."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    ids = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_vocab = ids < vocab_size
+    x = tl.load(logits_ptr + row * stride_logits + ids, mask=in_vocab, other=float("-inf")).to(tl.float32)
+    candidate = in_vocab & (ordered_key(x) >= tl.load(thresholds_ptr + row))
     count = tl.sum(candidate.to(tl.int32), axis=0)
-    if count <= CAP:
-        slot = tl.cumsum(candidate.to(tl.int32), axis=0) - 1
-        tl.store(scratch_ptr + slot, keys, mask=candidate)
-        # The slots were written by other threads of the program.
-        tl.debug_barrier()
-        slots = tl.arange(0, CAP)
-        top = tl.topk(tl.load(scratch_ptr + slots, mask=slots < count, other=_NONE), K)
+    row_candidates = candidates_ptr + row * row_slots
+    if count <= K:
+        if count > 0:
+            # One atomic per candidate (a chunk has about two): cheaper than a prefix sum over the chunk.
+            slot = tl.atomic_add(counts_ptr + row + tl.zeros([BLOCK], tl.int64), tl.full([BLOCK], 1, tl.int32),
+                                 mask=candidate)
+            tl.store(row_candidates + slot, _keys(x, ids), mask=candidate)
     else:
-        top = tl.topk(keys, K)
-    return top
+        start = tl.atomic_add(counts_ptr + row, K)
+        tl.store(row_candidates + start + tl.arange(0, K), tl.topk(tl.where(in_vocab, _keys(x, ids), _NONE), K))
 
 
-@triton.jit(do_not_specialize=["width", "k", "stride_out", "logprobs", "sampled_is_top", "num_chunks", "lse_given"])
-def _top_k_merge_kernel(chunk_keys_ptr, width, k, values_ptr, ids_ptr, stride_out,
+_launch_collect_candidates = KernelLauncher(_collect_candidates_kernel)
+
+
+@triton.jit(do_not_specialize=["row_slots", "k", "stride_out", "logprobs", "sampled_is_top", "num_chunks",
+                               "lse_given"])
+def _top_k_merge_kernel(candidates_ptr, counts_ptr, row_slots, k, values_ptr, ids_ptr, stride_out,
                         logprobs, sampled_is_top, num_chunks, sampled_ptr, sampled_logit_ptr, greater_ptr, ranks_ptr,
                         lse_given, lse_ptr, chunk_max_ptr, chunk_sum_ptr,
-                        WIDTH: tl.constexpr, K: tl.constexpr, CHUNKS: tl.constexpr):
+                        SLOTS: tl.constexpr, FEW: tl.constexpr, K: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, WIDTH)
-    top = tl.topk(tl.load(chunk_keys_ptr + row * width + cols, mask=cols < width, other=_NONE), K)
+    count = tl.load(counts_ptr + row)
+    row_candidates = candidates_ptr + row * row_slots
+    # Typically about K candidates: a sort of FEW slots; all SLOTS where more (many equal values).
+    if count <= FEW:
+        few = tl.arange(0, FEW)
+        top = tl.topk(tl.load(row_candidates + few, mask=few < count, other=_NONE), K)
+    else:
+        slots = tl.arange(0, SLOTS)
+        top = tl.topk(tl.load(row_candidates + slots, mask=slots < count, other=_NONE), K)
     values, ids = _unkey(top)
     out = tl.arange(0, K)
     first = logprobs  # 0 or 1
@@ -236,13 +261,13 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tenso
     width = kernel_width(k)
     block = max(min(block, triton.next_power_of_2(vocab_size)), width)
     num_chunks = triton.cdiv(vocab_size, block)
-    # The smallest width keeps two keys per group of 256 (0.24 against 0.35 ms at batch 256 on an
-    # H200, where about 1% of chunks have three in a group); wider ones would too often.
-    two_per_group = width == WIDTHS[0]
-    groups = cap = min(256 if two_per_group else 4 * width, block)
+    # About four maxima per wanted entry: the threshold then passes about 1.1 k entries.
+    groups = min(block, max(16, triton.next_power_of_2(triton.cdiv(4 * width, num_chunks))))
     device = logits.device
-    scratch = torch.empty(batch_size * num_chunks * cap, dtype=torch.int64, device=device)
-    chunk_keys = torch.empty(batch_size, num_chunks * width, dtype=torch.int64, device=device)
+    maxima = torch.empty(batch_size, num_chunks * groups, dtype=torch.int32, device=device)
+    thresholds = torch.empty(batch_size, dtype=torch.int32, device=device)
+    counts = torch.empty(batch_size, dtype=torch.int32, device=device)
+    candidates = torch.empty(batch_size, num_chunks * width, dtype=torch.int64, device=device)
     # Absent inputs and outputs are never touched (their flag is off); stand-ins of the same dtypes
     # keep the kernels' signatures, so that both modes launch the same compiled variants.
     sampled = sampled_logit = greater = ranks = lse = chunk_max = chunk_sum = None
@@ -258,14 +283,20 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tenso
     float32s = [stand_in(t, torch.float32, device) for t in (sampled_logit, lse, chunk_max, chunk_sum)]
     greater = stand_in(greater, torch.int32, device)
     use_sampled, use_lse = int(sampled is not None), int(chunk_max is not None)
-    _launch_top_k_chunks[(batch_size, num_chunks)](
-        logits, logits.stride(0), vocab_size, num_chunks, scratch, chunk_keys,
+    _launch_group_maxima[(batch_size, num_chunks)](
+        logits, logits.stride(0), vocab_size, num_chunks, maxima, counts,
         use_sampled, int64s[0], float32s[0], greater, use_lse, float32s[2], float32s[3],
-        BLOCK=block, K=width, GROUPS=groups, CAP=cap, TWO_PER_GROUP=two_per_group, num_warps=8)
+        BLOCK=block, GROUPS=groups, num_warps=8)
+    _launch_row_thresholds[(batch_size,)](maxima, maxima.shape[1], thresholds,
+                                          MAXIMA=triton.next_power_of_2(maxima.shape[1]), K=width, num_warps=8)
+    _launch_collect_candidates[(batch_size, num_chunks)](
+        logits, logits.stride(0), vocab_size, thresholds, counts, candidates, candidates.shape[1],
+        BLOCK=block, K=width, num_warps=8)
+    slots = triton.next_power_of_2(candidates.shape[1])
     _launch_top_k_merge[(batch_size,)](
-        chunk_keys, num_chunks * width, k if stored is None else stored, values, ids, values.stride(0),
+        candidates, counts, candidates.shape[1], k if stored is None else stored, values, ids, values.stride(0),
         int(mode is not None), int(mode is not None and sampled is None), num_chunks, int64s[0], float32s[0],
         greater, int64s[1],
         int(lse is not None), float32s[1], float32s[2], float32s[3],
-        WIDTH=triton.next_power_of_2(num_chunks * width), K=width, CHUNKS=triton.next_power_of_2(num_chunks),
+        SLOTS=slots, FEW=min(4 * width, slots), K=width, CHUNKS=triton.next_power_of_2(num_chunks),
         num_warps=8)

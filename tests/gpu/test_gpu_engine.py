@@ -215,8 +215,9 @@ def _kernel_variants() -> dict[str, set[str]]:
     kernels = {"decode": decode_ops._decode_attention_kernel, "reduce": decode_ops._reduce_splits_kernel,
                "prefill": prefill_ops._prefill_attention_kernel, "draw": sample_ops._draw_kernel,
                "combine": sample_ops._combine_chunks_kernel, "candidates": sample_ops._draw_candidates_kernel,
-               "noise": sample_ops._exponential_noise_kernel, "top_k_chunks": sample_topk._top_k_chunks_kernel,
-               "top_k_merge": sample_topk._top_k_merge_kernel}
+               "noise": sample_ops._exponential_noise_kernel, "top_k_maxima": sample_topk._group_maxima_kernel,
+               "top_k_threshold": sample_topk._row_threshold_kernel,
+               "top_k_collect": sample_topk._collect_candidates_kernel, "top_k_merge": sample_topk._top_k_merge_kernel}
     return {name: {str(key) for cache in kernel.device_caches.values() for key in cache[0]}
             for name, kernel in kernels.items()}
 

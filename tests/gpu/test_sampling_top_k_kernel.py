@@ -22,16 +22,19 @@ from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
 pytestmark = MARKS
 
 VOCAB, BLOCK = (1000, 256) if INTERPRET else (151_936, 4096)
+# Rows of more than four chunks at every k (a short row on the GPU, where 4096 slots per chunk
+# group would make a slow test).
+SMALL_VOCAB, SMALL_BLOCK = (1000, 64) if INTERPRET else (4000, 256)
 
 
-def rows(dtype: torch.dtype, seed: int) -> torch.Tensor:
+def rows(dtype: torch.dtype, seed: int, vocab: int = VOCAB, block: int = BLOCK) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    logits = torch.randn(6, VOCAB, generator=generator) * 3
+    logits = torch.randn(6, vocab, generator=generator) * 3
     logits[1] = 0.5  # every value equal: the lowest ids
     logits[2] = float("-inf")  # fewer finite values than k: the -inf ones by lowest id
-    logits[2, [5, BLOCK + 3, VOCAB - 1]] = torch.tensor([1.0, 2.0, 1.0])
-    logits[3] = torch.randint(0, 4, (VOCAB,), generator=generator).float() - 2  # many ties, both signs
-    logits[4, VOCAB - 7:] = logits[4].max() + 1  # the largest values in the partial last chunk
+    logits[2, [5, block + 3, vocab - 1]] = torch.tensor([1.0, 2.0, 1.0])
+    logits[3] = torch.randint(0, 4, (vocab,), generator=generator).float() - 2  # many ties, both signs
+    logits[4, vocab - 7:] = logits[4].max() + 1  # the largest values in the partial last chunk
     return logits.to(dtype)
 
 
@@ -40,28 +43,33 @@ def expected(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values[:, :k], ids[:, :k]
 
 
+@pytest.mark.parametrize("vocab, block", [(VOCAB, BLOCK), (SMALL_VOCAB, SMALL_BLOCK)], ids=["block", "small_block"])
 @pytest.mark.parametrize("dtype, k", [(dtype, k) for dtype in dict.fromkeys([torch.float32, *DTYPES])
                                       for k in (1, 5, 50)] + [(torch.float32, MAX_K)])
-def test_top_k_equals_the_first_k_of_a_stable_descending_sort(dtype, k):
-    logits = rows(dtype, k)
-    values, ids = top_k(logits.to(DEVICE), k, block=BLOCK)
+def test_top_k_equals_the_first_k_of_a_stable_descending_sort(dtype, k, vocab, block):
+    """Rows of equal values give every chunk more than k entries at the threshold, so each appends
+    its k largest; with the small block there are more than four chunks, so such a row's candidates
+    take the merge's sort of all slots rather than of the first few."""
+    logits = rows(dtype, k, vocab, block)
+    values, ids = top_k(logits.to(DEVICE), k, block=block)
     assert values.dtype == torch.float32 and ids.dtype == torch.int64 and values.shape == ids.shape == (6, k)
     want_values, want_ids = expected(logits, k)
     assert torch.equal(values.cpu(), want_values)
     assert torch.equal(ids.cpu(), want_ids)
 
 
-def test_chunks_whose_candidates_overflow_sort_the_whole_chunk():
-    """Each chunk keeps the keys at or above the k-th largest maximum of its strided groups; here
-    the large values sit in few groups (ids below 16 modulo 64, each group's values apart from the
-    others'), so far more keys pass than the candidate buffer holds and the chunk is sorted whole."""
-    ids = torch.arange(VOCAB)
+def test_a_chunk_where_more_than_k_reach_the_threshold_gives_its_k_largest():
+    """Most chunks append the few entries at or above the row's threshold; the second chunk's first
+    half holds one value many times over (more than k entries reach the threshold), so that chunk
+    appends its k largest instead, the lowest ids among the equal ones, beside a larger value
+    in the third chunk."""
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)) - 10
-    large = (ids % 64) < 16
-    logits[:, large] = 10 + (ids[large] % 64).float() + ids[large].float() * 1e-4
-    values, got = top_k(logits.to(DEVICE), 5, block=1024)
+    logits[:, BLOCK:BLOCK + BLOCK // 2] = 10.0
+    logits[1, 2 * BLOCK + 7] = 11.0
+    values, got = top_k(logits.to(DEVICE), 5, block=BLOCK)
     want_values, want_ids = expected(logits, 5)
     assert torch.equal(got.cpu(), want_ids) and torch.equal(values.cpu(), want_values)
+    assert want_ids[0].tolist() == list(range(BLOCK, BLOCK + 5)) and want_ids[1, 0].item() == 2 * BLOCK + 7
 
 
 def test_rows_with_a_stride():
