@@ -322,7 +322,8 @@ def test_metadata_flags_and_shapes():
     assert md.no_top_k and md.no_top_p and md.no_min_p and md.no_penalties
     assert md.top_k.tolist() == [50, 50]
     assert md.output_token_counts is None and md.seen_token_mask is None
-    assert md.max_num_logprobs == 2 and md.noise_keys is None and md.max_top_k is None
+    assert md.max_num_logprobs == 2 and md.is_seeded is None and md.max_top_k is None
+    assert md.noise_keys.shape == (2,)  # every row's key, the unseeded ones fresh
 
     md = build_metadata([SamplingParams(top_k=7, frequency_penalty=0.1)], 50, outputs=[[4, 4]])
     assert not md.no_top_k and md.top_k.tolist() == [7] and md.max_top_k == 7

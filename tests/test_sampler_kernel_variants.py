@@ -20,7 +20,6 @@ from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from novainfer.sample import SamplingMetadata, ops  # noqa: E402
-from novainfer.sample.sampler import step_noise_keys  # noqa: E402
 from novainfer.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB = 1000
@@ -61,6 +60,6 @@ def test_start_up_compiles_the_draw_variant_of_every_setting_and_batch_size(draw
         for batch_size in (1, 3, 5, 16):
             params = [SamplingParams(max_tokens=8, **settings)] * batch_size
             metadata = SamplingMetadata.from_requests(params, [[1, 2]] * batch_size, [[3]] * batch_size, "cpu", VOCAB)
-            ops.draw_whole_vocabulary(torch.zeros(batch_size, VOCAB), metadata, step_noise_keys(metadata),
+            ops.draw_whole_vocabulary(torch.zeros(batch_size, VOCAB), metadata, metadata.noise_keys,
                                       metadata.max_num_logprobs is not None)
     assert draw_variants == compiled, sorted(draw_variants - compiled)

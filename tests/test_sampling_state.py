@@ -152,6 +152,37 @@ def test_step_noise_keys_are_the_torch_hash_of_each_rows_seed_and_position():
     assert metadata.noise_keys[metadata.is_seeded].tolist() == expected[metadata.is_seeded].tolist()
 
 
+def test_unseeded_keys_are_fresh_each_step_and_follow_the_tables_seed():
+    """Every random row gets a key each step: a seeded row's depends on its seed and position only,
+    an unseeded row's is drawn anew (from a generator seeded like the engine, so two tables of one
+    seed give the same sequence)."""
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=9)]
+    tables = [SamplingStateTable(VOCAB, torch.device("cpu"), seed=seed) for seed in (3, 3, 4)]
+    for table in tables:
+        table.add_requests([0, 1], params, [[]] * 2, [[]] * 2)
+    rows, positions = np.array([0, 1]), np.array([5, 5])
+    steps = [[table.gather(rows, positions).noise_keys.tolist() for _ in range(3)] for table in tables]
+    assert steps[0] == steps[1] and [keys[0] for keys in steps[0]] != [keys[0] for keys in steps[2]]
+    assert len({keys[0] for keys in steps[0]}) == 3  # the unseeded row's key changes every step
+    assert {keys[1] for keys in steps[0] + steps[2]} == {keys[1] for keys in steps[0][:1]}  # the seeded one's does not
+
+
+def test_a_step_over_the_same_rows_sees_what_joined_them_since():
+    """Consecutive steps over the same rows reuse what they take from the rows alone; a request that
+    takes over a row in between, or min_tokens that run out, change the next step's metadata."""
+    table = SamplingStateTable(VOCAB, torch.device("cpu"))
+    table.add_requests([0, 1], [SamplingParams(temperature=0.5), SamplingParams(temperature=0.0)], [[]] * 2, [[]] * 2)
+    rows = np.array([0, 1])
+    first = table.gather(rows, np.array([0, 0]))
+    assert first.temperature.tolist() == [0.5, 1.0] and first.no_penalties and first.min_tokens_mask is None
+    table.add_requests([1], [SamplingParams(temperature=0.8, repetition_penalty=1.3, min_tokens=2,
+                                            stop_token_ids=[7])], [[4]], [[]])
+    second = table.gather(rows, np.array([1, 1]))
+    assert second.temperature.tolist() == [0.5, pytest.approx(0.8)] and second.all_random and not second.no_penalties
+    assert second.min_tokens_mask[1, 7].item() and second.min_tokens_mask.sum().item() == 1
+    assert table.gather(rows, np.array([2, 2])).min_tokens_mask is None  # position 2 reached min_tokens
+
+
 def test_packed_copies_keep_each_array_and_align_it_to_16_bytes():
     """Triton kernels specialize on 16-byte pointer alignment: a view at an offset that depends on
     the batch size must not change it (a step's flags and keys are passed to the sampler's kernels)."""

@@ -36,8 +36,8 @@ class SamplingMetadata:
     max_top_k: int | None
     # Largest top_k among the random rows that have one; None when none has.
     largest_top_k: int | None
-    # Counter-based noise keys (see novainfer.sample.rng) of this step's draw, [B] int64; None
-    # when no random row is seeded.
+    # Counter-based noise keys (see novainfer.sample.rng) of this step's draw, [B] int64: a seeded
+    # row's from its seed and output position, the others' fresh; None when every row is greedy.
     noise_keys: torch.Tensor | None
     is_seeded: torch.Tensor | None  # [B] bool; None when no random row is seeded
     all_random_seeded: bool  # every random row draws counter-based noise (no global draw needed)

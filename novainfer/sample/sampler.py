@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from novainfer.sample.metadata import SamplingMetadata
-from novainfer.sample import rng
 from novainfer.sample.rng import exponential_noise
 
 
@@ -97,19 +96,6 @@ def draws_from_whole_vocabulary(metadata: SamplingMetadata) -> bool:
     return metadata.no_top_k and metadata.no_top_p and metadata.no_min_p
 
 
-def step_noise_keys(metadata: SamplingMetadata) -> torch.Tensor | None:
-    """[B] int64 keys of each row's counter-based noise (novainfer.sample.rng) for one draw of the
-    whole batch: a seeded row's key from its seed and position, the other rows' fresh from the
-    global generator (on the logits' device, without a host sync). None when every row is greedy."""
-    if metadata.all_greedy:
-        return None
-    if metadata.noise_keys is not None and metadata.all_random_seeded:
-        return metadata.noise_keys
-    keys = torch.randint(0, rng.MASK32 + 1, metadata.temperature.shape, dtype=torch.int64,
-                         device=metadata.temperature.device)
-    return keys if metadata.noise_keys is None else torch.where(metadata.is_seeded, metadata.noise_keys, keys)
-
-
 def mask_sorted_top_k_top_p(
     sorted_logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
@@ -172,7 +158,7 @@ def exponential_draws(probs: torch.Tensor, token_ids: torch.Tensor, metadata: Sa
     ``token_ids[b, j]``, or ``token_ids[j]`` for a 1-D ``token_ids``): counter-based (see
     novainfer.sample.rng) for seeded rows, from the global generator for the others."""
     seeded = None
-    if metadata.noise_keys is not None:
+    if metadata.is_seeded is not None:
         seeded = exponential_noise(metadata.noise_keys, token_ids)
         if metadata.all_random_seeded:
             return seeded
@@ -270,7 +256,7 @@ class Sampler(nn.Module):
             # One Triton pass over the logits, in their own dtype (see novainfer.sample.ops).
             from novainfer.sample.ops import draw_whole_vocabulary
 
-            sampled, lse = draw_whole_vocabulary(logits, metadata, step_noise_keys(metadata),
+            sampled, lse = draw_whole_vocabulary(logits, metadata, metadata.noise_keys,
                                                  with_lse=metadata.max_num_logprobs is not None)
         else:
             sampled = self._sample(apply_penalties_and_min_tokens(logits, metadata), metadata)
@@ -320,7 +306,7 @@ def _sample_with_kernels(logits: torch.Tensor, metadata: SamplingMetadata) -> to
     from novainfer.sample.ops import draw_candidates, draw_nucleus
     from novainfer.sample.topk import MAX_K, top_k
 
-    keys = step_noise_keys(metadata)
+    keys = metadata.noise_keys
     if metadata.no_top_k:
         return draw_nucleus(logits, metadata, keys)
     num_candidates = min(metadata.largest_top_k, logits.shape[-1])

@@ -7,9 +7,10 @@ generated (frequency and presence penalties), the set of tokens in its prompt or
 (repetition penalty) and its stop tokens (min_tokens).
 A row is written once, when its request joins (or resumes after preemption), in one packed
 non-blocking copy from pinned memory; afterwards the only host-to-device traffic of a step is one
-packed non-blocking copy of the step's row indices, output positions, greedy and seeded flags and
-the seeded rows' noise keys, and the output counts are updated on the device from the sampled
-tokens. A step therefore never waits for the device, whatever its sampling settings.
+packed non-blocking copy of its noise keys (and output positions where min_tokens applies), with
+the step's row indices and greedy and seeded flags when its rows differ from the step before, and
+the output counts are updated on the device from the sampled tokens. A step therefore never waits
+for the device, whatever its sampling settings.
 
 The host keeps a numpy mirror of the per-row flags and seed lanes, so that which stages a step
 needs (any top-k? any penalty? below min_tokens?) is decided, and the noise keys are hashed,
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from novainfer.sample.metadata import SamplingMetadata
-from novainfer.sample.rng import row_keys, seed_lanes
+from novainfer.sample.rng import MASK32, row_keys, seed_lanes
 from novainfer.sampling_params import SamplingParams
 
 # Columns of the float and int parameter tables.
@@ -70,16 +73,39 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
+@dataclass
+class _Composition:
+    """A step's rows and what its metadata takes from them alone (see SamplingStateTable._composition)."""
+
+    rows: np.ndarray  # [B] int64 table rows
+    version: int  # the table's version it was read at
+    fields: dict[str, Any]  # the SamplingMetadata fields that depend on the rows only
+    rows_d: torch.Tensor  # [B] int64, on the device
+    ints: torch.Tensor  # [B, _NUM_INT] int64 parameters, on the device
+    all_greedy: bool
+    any_seeded: bool
+    seeded: np.ndarray  # [B] bool
+    seed_lo: np.ndarray  # [B] int64 seed lanes
+    seed_hi: np.ndarray
+    min_tokens: np.ndarray  # [B] int64
+    any_min_tokens: bool
+
+
 class SamplingStateTable:
     """Per-row sampling parameters and token statistics on the device, with a host mirror of the
     flags. Rows are the caller's (the block-table rows of the model runner); the table grows to fit."""
 
-    def __init__(self, vocab_size: int, device: torch.device, num_rows: int = 16) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, num_rows: int = 16, seed: int = 0) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = device
         self.num_rows = 0
+        # Keys of the unseeded rows' noise, drawn on the host: they travel in the step's one copy.
+        self._generator = np.random.default_rng(seed)
+        # Bumped by every write to the table; a kept composition is of one version.
+        self._version = 0
+        self._last_composition: _Composition | None = None
         # Host mirror of what decides a step's stages.
         self._greedy = np.zeros(0, dtype=bool)
         self._seeded = np.zeros(0, dtype=bool)
@@ -106,6 +132,7 @@ class SamplingStateTable:
         """Grows the table (doubling) to hold rows [0, num_rows); existing rows keep their state."""
         if num_rows <= self.num_rows:
             return
+        self._version += 1
         new = max(num_rows, 2 * self.num_rows)
 
         def grown_np(a: np.ndarray, fill) -> np.ndarray:
@@ -149,6 +176,7 @@ class SamplingStateTable:
             return
         n, vocab = len(rows), self.vocab_size
         self.ensure_rows(max(rows) + 1)
+        self._version += 1
         floats = np.empty((n, _NUM_FLOAT), dtype=np.float32)
         ints = np.empty((n, _NUM_INT), dtype=np.int64)
         counted, repetition, blocking = [], [], []
@@ -209,6 +237,33 @@ class SamplingStateTable:
     def gather(self, rows: np.ndarray, positions: np.ndarray) -> SamplingMetadata:
         """The metadata of a step that samples ``rows`` (int64, one per logits row) at output
         ``positions`` (tokens each row generated before this one)."""
+        composition = self._composition(rows)
+        positions = positions.astype(np.int64, copy=False)
+        blocking = composition.any_min_tokens and bool((positions < composition.min_tokens).any())
+        keys = None if composition.all_greedy else self._noise_keys(composition, positions)
+        arrays = [a for a in (keys, positions if blocking else None) if a is not None]
+        copies = iter(copy_to_device(arrays, self.device) if arrays else ())
+        keys_d = next(copies) if keys is not None else None
+        min_tokens_mask = None
+        if blocking:
+            below = next(copies) < composition.ints[:, _MIN_TOKENS]
+            min_tokens_mask = self.stop_mask[composition.rows_d] & below.unsqueeze(1)
+        return SamplingMetadata(**composition.fields, noise_keys=keys_d, min_tokens_mask=min_tokens_mask)
+
+    def _noise_keys(self, composition: _Composition, positions: np.ndarray) -> np.ndarray:
+        """[B] keys of the step's noise: a seeded row's hashed from its seed and position, the
+        others' fresh from the table's generator."""
+        keys = self._generator.integers(0, MASK32 + 1, size=len(positions), dtype=np.int64)
+        if composition.any_seeded:
+            keys = np.where(composition.seeded, row_keys(composition.seed_lo, composition.seed_hi, positions), keys)
+        return keys
+
+    def _composition(self, rows: np.ndarray) -> _Composition:
+        """What the metadata takes from the step's rows alone: kept while the rows and the table
+        stay the same, as they do from one decode step to the next."""
+        cached = self._last_composition
+        if cached is not None and cached.version == self._version and np.array_equal(cached.rows, rows):
+            return cached
         vocab = self.vocab_size
         greedy = self._greedy[rows]
         random = ~greedy
@@ -220,24 +275,11 @@ class SamplingStateTable:
         repetition = bool(self._repetition[rows].any())
         frequency = bool(self._frequency[rows].any())
         presence = bool(self._presence[rows].any())
-        blocking = bool((positions < self._min_tokens[rows]).any())
         logprobs = int(self._logprobs[rows].max(initial=-1))
-
-        positions = positions.astype(np.int64, copy=False)
-        # The seeded rows' noise keys are hashed here (a few numpy operations on B values, where
-        # the device would take some forty launches) and travel in the step's one copy.
-        keys = row_keys(self._seed_lo[rows], self._seed_hi[rows], positions) if any_seeded else np.zeros(0, np.int64)
-        rows_d, positions_d, greedy_d, seeded_d, keys_d = copy_to_device(
-            [rows.astype(np.int64, copy=False), positions, greedy, seeded, keys], self.device)
+        rows_d, greedy_d, seeded_d = copy_to_device([rows.astype(np.int64), greedy, seeded], self.device)
         floats = self.float_params[rows_d]
         ints = self.int_params[rows_d]
-        noise_keys = keys_d if any_seeded else None
-        is_seeded = seeded_d if any_seeded else None
-        min_tokens_mask = None
-        if blocking:
-            below = positions_d < ints[:, _MIN_TOKENS]
-            min_tokens_mask = self.stop_mask[rows_d] & below.unsqueeze(1)
-        return SamplingMetadata(
+        fields = dict(
             vocab_size=vocab,
             temperature=floats[:, _TEMPERATURE],
             is_greedy=greedy_d,
@@ -251,8 +293,7 @@ class SamplingStateTable:
             no_min_p=bool((self._min_p[rows][random] <= 0.0).all()),
             max_top_k=int(top_k.max()) if any_random and has_top_k.all() else None,
             largest_top_k=int(top_k[has_top_k].max()) if has_top_k.any() else None,
-            noise_keys=noise_keys,
-            is_seeded=is_seeded,
+            is_seeded=seeded_d if any_seeded else None,
             all_random_seeded=bool(seeded[random].all()),
             presence_penalties=floats[:, _PRESENCE] if presence else None,
             frequency_penalties=floats[:, _FREQUENCY] if frequency else None,
@@ -260,10 +301,16 @@ class SamplingStateTable:
             no_penalties=not (repetition or frequency or presence),
             counts_table=self.output_counts if frequency or presence else None,
             seen_table=self.seen_mask if repetition else None,
-            min_tokens_mask=min_tokens_mask,
             max_num_logprobs=logprobs if logprobs >= 0 else None,
             rows=rows_d,
         )
+        min_tokens = self._min_tokens[rows]
+        composition = _Composition(rows=rows.copy(), version=self._version, fields=fields, rows_d=rows_d, ints=ints,
+                                   all_greedy=not any_random, any_seeded=any_seeded, seeded=seeded,
+                                   seed_lo=self._seed_lo[rows], seed_hi=self._seed_hi[rows],
+                                   min_tokens=min_tokens, any_min_tokens=bool(min_tokens.any()))
+        self._last_composition = composition
+        return composition
 
     def record_sampled(self, metadata: SamplingMetadata, sampled: torch.Tensor,
                        counted: torch.Tensor | None = None) -> None:

@@ -268,7 +268,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Sampling parameters and token statistics of each running request, on the device, in the
         # request's block-table row.
-        self.sampling_table = SamplingStateTable(model_config.vocab_size, device)
+        self.sampling_table = SamplingStateTable(model_config.vocab_size, device, seed=model_config.seed)
         self.max_blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         # The step buffers the CUDA graphs read (sized from the configuration at start-up), and
         # buffers of their own for the rare step larger than them (the low-level API's).
