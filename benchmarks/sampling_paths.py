@@ -5,10 +5,9 @@ mixes the cost of a path with what changes between processes and over time on a 
 clock, its other load: on one GPU machine the same tree's decode step ranged from 1.7 to 2.3 ms
 between processes). Here one ``LLM`` runs the same workload (throughput.py's nano-vllm shape)
 with every setting in turn, round after round: each setting is warmed up first, then each round
-times every setting once, each right beside a greedy-without-text run of its own (which of the
-two goes first alternates by round). A setting's figure is its median run, and its ratio is taken
-round by round against its pair's greedy run (the median of those ratios is reported), so that a
-slow spell of the host, which lasts seconds, hits a setting and its baseline alike.
+times every setting once, in the same order. A setting's figure is its median round, and its
+ratio is taken round by round against greedy-without-text of the same round (the median of those
+ratios is reported), so that a slow spell hits a setting and its baseline alike.
 
     python benchmarks/sampling_paths.py --arch qwen2-0.5b --tokenizer ../shared/data/qwen2_tokenizer \\
         --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --rounds 3
@@ -80,31 +79,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runner.args = setting_args(args, name)
         runner.generate(*warmup)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.settings}
-    ratios: dict[str, list[float]] = {name: [] for name in args.settings}
-
-    def timed(round_index: int, name: str) -> dict[str, Any]:
-        runner.args = setting_args(args, name)
-        result, _ = runner.run()
-        runs[name].append(result)
-        print(f"  round {round_index + 1}/{args.rounds} {name:20} {result['output_tokens_per_s']:10,.0f} output tok/s",
-              flush=True)
-        return result
-
     for round_index in range(args.rounds):
-        for name in args.settings[1:] or [BASELINE]:
-            # Each setting beside a baseline run of its own, the pair's order alternating by round,
-            # so that a slow spell of the host seconds long hits both of a ratio's runs.
-            order = (BASELINE, name) if round_index % 2 == 0 else (name, BASELINE)
-            pair = {n: timed(round_index, n) for n in dict.fromkeys(order)}
-            ratios[name].append(pair[name]["output_tokens_per_s"] / pair[BASELINE]["output_tokens_per_s"])
+        for name in args.settings:
+            runner.args = setting_args(args, name)
+            result, _ = runner.run()
+            runs[name].append(result)
+            print(f"  round {round_index + 1}/{args.rounds} {name:20} {result['output_tokens_per_s']:10,.0f} output tok/s",
+                  flush=True)
     runner.close()
 
     rows = {}
     for name, name_runs in runs.items():
-        name_ratios = ratios[name] if name != BASELINE else [1.0] * len(name_runs)
+        ratios = [r["output_tokens_per_s"] / b["output_tokens_per_s"] for r, b in zip(name_runs, runs[BASELINE])]
         rows[name] = {"sampling": throughput.sampling_settings(setting_args(args, name)),
-                      "vs_greedy_per_round": [round(x, 4) for x in name_ratios],
-                      "vs_greedy_median": round(statistics.median(name_ratios), 4),
+                      "vs_greedy_per_round": [round(x, 4) for x in ratios],
+                      "vs_greedy_median": round(statistics.median(ratios), 4),
                       **throughput.summarize(name_runs)}
     print(f"\n{'setting':22} {'median tok/s':>13} {'vs greedy (median of rounds)':>30}")
     for name, row in rows.items():
@@ -114,10 +103,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {"benchmark": "sampling paths (offline, nano-vllm shape, interleaved rounds)",
                "gpu": facts.pop("gpu"), "model": summary, **facts, "workload": workload.describe(),
                "rounds": args.rounds, "baseline": BASELINE,
-               "method": "one LLM; every setting warmed up, then each round times every setting once, each "
-                         "beside a baseline run of its own (the pair's order alternating by round); a setting's "
-                         "figures are its median run's, its ratio the median of its per-round ratios to its "
-                         "pair's baseline run",
+               "method": "one LLM; every setting warmed up, then each round times every setting once in the "
+                         "listed order; a setting's figures are its median round's, its ratio the median of its "
+                         "per-round ratios to the same round's baseline",
                "settings": rows}
     path = write_results(args.output or f"sampling_paths_{device.type}_{tag}", results, args.results_dir)
     print(f"results: {scrub_path(str(path))}")
