@@ -312,7 +312,7 @@ def _sample_with_kernels(logits: torch.Tensor, metadata: SamplingMetadata) -> to
     num_candidates = min(metadata.largest_top_k, logits.shape[-1])
     if num_candidates > MAX_K:
         return None
-    # Three Triton launches (the top-k's two and the draw) for what the torch stages do in about twenty.
+    # Five Triton launches (the top-k's four and the draw) for what the torch stages do in about twenty.
     values, ids = top_k(logits, num_candidates)
     tokens = draw_candidates(values, ids, metadata, keys)
     if metadata.max_top_k is None:  # some random rows have no top-k: theirs come from the whole vocabulary
