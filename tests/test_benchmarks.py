@@ -99,7 +99,10 @@ def test_sampling_paths_interleave_settings_against_greedy(tmp_path):
     results = sampling_paths.main(args)
     settings = results["settings"]
     assert list(settings) == ["greedy", "logprobs5-text", "topp-topk-seed-text"]  # the baseline runs first
-    assert settings["greedy"]["vs_greedy_per_round"] == [1.0, 1.0]
+    assert settings["greedy"]["vs_greedy_per_round"] == [1.0, 1.0] and settings["greedy"]["vs_greedy_best_runs"] == 1.0
+    best_greedy = max(run["output_tokens_per_s"] for run in settings["greedy"]["runs"])
+    best_logprobs = max(run["output_tokens_per_s"] for run in settings["logprobs5-text"]["runs"])
+    assert settings["logprobs5-text"]["vs_greedy_best_runs"] == round(best_logprobs / best_greedy, 4)
     assert settings["greedy"]["sampling"]["detokenize"] is False
     assert settings["logprobs5-text"]["sampling"]["logprobs"] == 5
     assert settings["topp-topk-seed-text"]["sampling"]["seed_per_request"] is True
