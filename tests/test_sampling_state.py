@@ -155,7 +155,7 @@ def test_step_noise_keys_are_the_torch_hash_of_each_rows_seed_and_position():
 def test_unseeded_keys_are_fresh_each_step_and_follow_the_tables_seed():
     """Every random row gets a key each step: a seeded row's depends on its seed and position only,
     an unseeded row's is drawn anew (from a generator seeded like the engine, so two tables of one
-    seed give the same sequence)."""
+    seed give the same sequence; without a seed, from torch's global generator)."""
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=9)]
     tables = [SamplingStateTable(VOCAB, torch.device("cpu"), seed=seed) for seed in (3, 3, 4)]
     for table in tables:
@@ -165,6 +165,14 @@ def test_unseeded_keys_are_fresh_each_step_and_follow_the_tables_seed():
     assert steps[0] == steps[1] and [keys[0] for keys in steps[0]] != [keys[0] for keys in steps[2]]
     assert len({keys[0] for keys in steps[0]}) == 3  # the unseeded row's key changes every step
     assert {keys[1] for keys in steps[0] + steps[2]} == {keys[1] for keys in steps[0][:1]}  # the seeded one's does not
+    # Unseeded tables draw their generator's seed from torch's: fresh per table, repeatable under manual_seed.
+    keys = []
+    for manual_seed in (5, 5, 6):
+        torch.manual_seed(manual_seed)
+        table = SamplingStateTable(VOCAB, torch.device("cpu"))
+        table.add_requests([0], params[:1], [[]], [[]])
+        keys.append(table.gather(rows[:1], positions[:1]).noise_keys.tolist())
+    assert keys[0] == keys[1] != keys[2]
 
 
 def test_a_step_over_the_same_rows_sees_what_joined_them_since():

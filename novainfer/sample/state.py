@@ -95,13 +95,17 @@ class SamplingStateTable:
     """Per-row sampling parameters and token statistics on the device, with a host mirror of the
     flags. Rows are the caller's (the block-table rows of the model runner); the table grows to fit."""
 
-    def __init__(self, vocab_size: int, device: torch.device, num_rows: int = 16, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, num_rows: int = 16, seed: int | None = None) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = device
         self.num_rows = 0
         # Keys of the unseeded rows' noise, drawn on the host: they travel in the step's one copy.
+        # Without a seed, the generator's is drawn from torch's global one: fresh for every table,
+        # yet repeatable under torch.manual_seed.
+        if seed is None:
+            seed = int(torch.randint(2**63 - 1, (1,)))
         self._generator = np.random.default_rng(seed)
         # Bumped by every write to the table; a kept composition is of one version.
         self._version = 0
