@@ -82,7 +82,6 @@ class _Composition:
     fields: dict[str, Any]  # the SamplingMetadata fields that depend on the rows only
     rows_d: torch.Tensor  # [B] int64, on the device
     ints: torch.Tensor  # [B, _NUM_INT] int64 parameters, on the device
-    all_greedy: bool
     any_seeded: bool
     seeded: np.ndarray  # [B] bool
     seed_lo: np.ndarray  # [B] int64 seed lanes
@@ -244,7 +243,7 @@ class SamplingStateTable:
         composition = self._composition(rows)
         positions = positions.astype(np.int64, copy=False)
         blocking = composition.any_min_tokens and bool((positions < composition.min_tokens).any())
-        keys = None if composition.all_greedy else self._noise_keys(composition, positions)
+        keys = None if composition.fields["all_greedy"] else self._noise_keys(composition, positions)
         arrays = [a for a in (keys, positions if blocking else None) if a is not None]
         copies = iter(copy_to_device(arrays, self.device) if arrays else ())
         keys_d = next(copies) if keys is not None else None
@@ -310,7 +309,7 @@ class SamplingStateTable:
         )
         min_tokens = self._min_tokens[rows]
         composition = _Composition(rows=rows.copy(), version=self._version, fields=fields, rows_d=rows_d, ints=ints,
-                                   all_greedy=not any_random, any_seeded=any_seeded, seeded=seeded,
+                                   any_seeded=any_seeded, seeded=seeded,
                                    seed_lo=self._seed_lo[rows], seed_hi=self._seed_hi[rows],
                                    min_tokens=min_tokens, any_min_tokens=bool(min_tokens.any()))
         self._last_composition = composition
