@@ -191,6 +191,40 @@ def test_a_step_over_the_same_rows_sees_what_joined_them_since():
     assert table.gather(rows, np.array([2, 2])).min_tokens_mask is None  # position 2 reached min_tokens
 
 
+def test_each_step_reads_its_own_rows_through_the_reused_staging_buffer():
+    check_each_step_reads_its_own_rows(torch.device("cpu"))
+
+
+def check_each_step_reads_its_own_rows(device: torch.device) -> None:
+    """A step's rows, flags and noise keys travel through the table's staging buffer, which every
+    step reuses: steps alternating between compositions, and steps with more logits rows than the
+    table has (a verification step repeats each request's row, growing the buffer), each read their
+    own rows' parameters and keys. Each step's tensors are cloned on the device as a sampler would
+    read them, before the next step, and checked at the end (nothing waits in between).
+    Oracle: the parameters as given, rng.row_keys for the seeded row."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3),
+              SamplingParams(temperature=1.3)]
+    table = SamplingStateTable(VOCAB, device, num_rows=2, seed=0)
+    table.add_requests([0, 1, 2], params, [[]] * 3, [[]] * 3)
+    steps = []
+    for rows in ([0, 1, 2], [2, 1], np.repeat([1, 2, 0], 5), [2, 1], [2, 1], [0, 1, 2]) * 2:
+        rows = np.asarray(rows, dtype=np.int64)
+        positions = np.arange(len(rows), dtype=np.int64) + len(steps)
+        metadata = table.gather(rows, positions)
+        read = [t.clone() for t in (metadata.rows, metadata.temperature, metadata.is_greedy, metadata.is_seeded,
+                                    metadata.noise_keys)]
+        steps.append((rows, positions, read))
+    lo, hi = seed_lanes(3)
+    for rows, positions, read in steps:
+        rows_d, temperature, greedy, seeded, keys = (t.cpu() for t in read)
+        assert rows_d.tolist() == rows.tolist()
+        assert temperature.tolist() == pytest.approx([params[r].temperature or 1.0 for r in rows])
+        assert greedy.tolist() == [r == 0 for r in rows]
+        assert seeded.tolist() == [r == 1 for r in rows]
+        expected = row_keys(torch.full((len(rows),), lo), torch.full((len(rows),), hi), torch.from_numpy(positions))
+        assert keys[seeded].tolist() == expected[seeded].tolist()
+
+
 def test_packed_copies_keep_each_array_and_align_it_to_16_bytes():
     """Triton kernels specialize on 16-byte pointer alignment: a view at an offset that depends on
     the batch size must not change it (a step's flags and keys are passed to the sampler's kernels)."""

@@ -73,6 +73,58 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
+# What a step sends, in the order of its staging buffer: the noise keys and output positions of every
+# step first, then what a step sends only when its rows differ from the step before's. A copy covers
+# the buffer from its start to the end of the last region the step wrote.
+_STEP_REGIONS = (("keys", np.dtype(np.int64)), ("positions", np.dtype(np.int64)), ("rows", np.dtype(np.int64)),
+                 ("greedy", np.dtype(np.bool_)), ("seeded", np.dtype(np.bool_)))
+
+
+class _StepStaging:
+    """The buffers of a table's per-step copy, kept from step to step: each region holds up to
+    ``capacity`` entries. On CUDA two pinned host buffers take turns (a step fills one while the
+    copy of the step before may still be reading the other) and one device buffer receives them;
+    a step's copy is queued on the current stream, after every kernel that read the previous
+    contents. On CPU one buffer is both. So what a step reads from here is valid until the table's
+    next step rewrites it."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.offsets: dict[str, int] = {}
+        self.ends: dict[str, int] = {}
+        total = 0
+        for name, dtype in _STEP_REGIONS:
+            self.offsets[name] = total
+            self.ends[name] = total + capacity * dtype.itemsize
+            total = -(-self.ends[name] // _ALIGN) * _ALIGN
+        on_cuda = device.type == "cuda"
+        with torch.inference_mode(False):  # normal tensors: refilled in place from any mode
+            self._host = [torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda) for _ in range(2 if on_cuda else 1)]
+            self._device = torch.zeros(total, dtype=torch.uint8, device=device) if on_cuda else self._host[0]
+        self._copied = [torch.cuda.Event() for _ in self._host] if on_cuda else None
+        self._slot = 0
+        self._host_views = [{name: buf.numpy()[self.offsets[name]:self.ends[name]].view(dtype)
+                             for name, dtype in _STEP_REGIONS} for buf in self._host]
+        self._device_views = {name: self._device[self.offsets[name]:self.ends[name]].view(_torch_dtype(dtype))
+                              for name, dtype in _STEP_REGIONS}
+
+    def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Writes ``arrays`` (regions by name, each at most ``capacity`` long) into the host buffer
+        and queues one copy of them to the device; returns their device views."""
+        slot = self._slot
+        if self._copied is not None:
+            self._slot ^= 1
+            self._copied[slot].synchronize()  # the copy that last read this buffer, two steps ago
+        host = self._host_views[slot]
+        for name, array in arrays.items():
+            host[name][:len(array)] = array
+        if self._copied is not None:
+            end = max(self.ends[name] for name in arrays)
+            self._device[:end].copy_(self._host[slot][:end], non_blocking=True)
+            self._copied[slot].record()
+        return {name: self._device_views[name][:len(array)] for name, array in arrays.items()}
+
+
 @dataclass
 class _Composition:
     """A step's rows and what its metadata takes from them alone (see SamplingStateTable._composition)."""
@@ -80,14 +132,16 @@ class _Composition:
     rows: np.ndarray  # [B] int64 table rows
     version: int  # the table's version it was read at
     fields: dict[str, Any]  # the SamplingMetadata fields that depend on the rows only
-    rows_d: torch.Tensor  # [B] int64, on the device
-    ints: torch.Tensor  # [B, _NUM_INT] int64 parameters, on the device
+    penalties: dict[str, bool]  # whether some row has each penalty ("repetition", "frequency", "presence")
+    greedy: np.ndarray  # [B] bool
     any_seeded: bool
     seeded: np.ndarray  # [B] bool
     seed_lo: np.ndarray  # [B] int64 seed lanes
     seed_hi: np.ndarray
     min_tokens: np.ndarray  # [B] int64
     any_min_tokens: bool
+    rows_d: torch.Tensor | None = None  # [B] int64, on the device, once sent
+    ints: torch.Tensor | None = None  # [B, _NUM_INT] int64 parameters, on the device, once sent
 
 
 class SamplingStateTable:
@@ -109,6 +163,7 @@ class SamplingStateTable:
         # Bumped by every write to the table; a kept composition is of one version.
         self._version = 0
         self._last_composition: _Composition | None = None
+        self._staging = _StepStaging(num_rows, device)
         # Host mirror of what decides a step's stages.
         self._greedy = np.zeros(0, dtype=bool)
         self._seeded = np.zeros(0, dtype=bool)
@@ -239,19 +294,34 @@ class SamplingStateTable:
     # ---- steps -------------------------------------------------------------------------------
     def gather(self, rows: np.ndarray, positions: np.ndarray) -> SamplingMetadata:
         """The metadata of a step that samples ``rows`` (int64, one per logits row) at output
-        ``positions`` (tokens each row generated before this one)."""
-        composition = self._composition(rows)
+        ``positions`` (tokens each row generated before this one). What it sends to the device
+        goes in one copy through the table's staging buffer, so its noise keys and row tensors are
+        valid until the table's next gather (a step's sampling reads them before the next step's)."""
+        if len(rows) > self._staging.capacity:  # then the rows differ from the kept composition's
+            self._staging = _StepStaging(max(len(rows), 2 * self._staging.capacity), self.device)
         positions = positions.astype(np.int64, copy=False)
+        composition = self._last_composition
+        kept = composition is not None and composition.version == self._version and np.array_equal(composition.rows,
+                                                                                                   rows)
+        if not kept:
+            composition = self._composition(rows)
         blocking = composition.any_min_tokens and bool((positions < composition.min_tokens).any())
-        keys = None if composition.fields["all_greedy"] else self._noise_keys(composition, positions)
-        arrays = [a for a in (keys, positions if blocking else None) if a is not None]
-        copies = iter(copy_to_device(arrays, self.device) if arrays else ())
-        keys_d = next(copies) if keys is not None else None
+        arrays = {}
+        if not composition.fields["all_greedy"]:
+            arrays["keys"] = self._noise_keys(composition, positions)
+        if blocking:
+            arrays["positions"] = positions
+        if not kept:
+            arrays.update(rows=composition.rows, greedy=composition.greedy, seeded=composition.seeded)
+        sent = self._staging.send(arrays) if arrays else {}
+        if not kept:
+            self._add_device_fields(composition, sent)
+            self._last_composition = composition
         min_tokens_mask = None
         if blocking:
-            below = next(copies) < composition.ints[:, _MIN_TOKENS]
+            below = sent["positions"] < composition.ints[:, _MIN_TOKENS]
             min_tokens_mask = self.stop_mask[composition.rows_d] & below.unsqueeze(1)
-        return SamplingMetadata(**composition.fields, noise_keys=keys_d, min_tokens_mask=min_tokens_mask)
+        return SamplingMetadata(**composition.fields, noise_keys=sent.get("keys"), min_tokens_mask=min_tokens_mask)
 
     def _noise_keys(self, composition: _Composition, positions: np.ndarray) -> np.ndarray:
         """[B] keys of the step's noise: a seeded row's hashed from its seed and position, the
@@ -262,11 +332,9 @@ class SamplingStateTable:
         return keys
 
     def _composition(self, rows: np.ndarray) -> _Composition:
-        """What the metadata takes from the step's rows alone: kept while the rows and the table
-        stay the same, as they do from one decode step to the next."""
-        cached = self._last_composition
-        if cached is not None and cached.version == self._version and np.array_equal(cached.rows, rows):
-            return cached
+        """What the metadata takes from the step's rows alone, from the host mirror; kept while the
+        rows and the table stay the same, as they do from one decode step to the next. Its device
+        fields follow once the step's copy has sent the rows (:meth:`_add_device_fields`)."""
         vocab = self.vocab_size
         greedy = self._greedy[rows]
         random = ~greedy
@@ -274,46 +342,48 @@ class SamplingStateTable:
         top_k = self._top_k[rows][random]
         has_top_k = top_k < vocab
         seeded = self._seeded[rows]
-        any_seeded = bool(seeded.any())
-        repetition = bool(self._repetition[rows].any())
-        frequency = bool(self._frequency[rows].any())
-        presence = bool(self._presence[rows].any())
+        penalties = {name: bool(getattr(self, "_" + name)[rows].any()) for name in ("repetition", "frequency", "presence")}
         logprobs = int(self._logprobs[rows].max(initial=-1))
-        rows_d, greedy_d, seeded_d = copy_to_device([rows.astype(np.int64), greedy, seeded], self.device)
-        floats = self.float_params[rows_d]
-        ints = self.int_params[rows_d]
         fields = dict(
             vocab_size=vocab,
-            temperature=floats[:, _TEMPERATURE],
-            is_greedy=greedy_d,
             all_greedy=not any_random,
             all_random=not greedy.any(),
-            top_k=ints[:, _TOP_K],
-            top_p=floats[:, _TOP_P],
-            min_p=floats[:, _MIN_P],
             no_top_k=not has_top_k.any(),
             no_top_p=bool((self._top_p[rows][random] >= 1.0).all()),
             no_min_p=bool((self._min_p[rows][random] <= 0.0).all()),
             max_top_k=int(top_k.max()) if any_random and has_top_k.all() else None,
             largest_top_k=int(top_k[has_top_k].max()) if has_top_k.any() else None,
-            is_seeded=seeded_d if any_seeded else None,
             all_random_seeded=bool(seeded[random].all()),
-            presence_penalties=floats[:, _PRESENCE] if presence else None,
-            frequency_penalties=floats[:, _FREQUENCY] if frequency else None,
-            repetition_penalties=floats[:, _REPETITION],
-            no_penalties=not (repetition or frequency or presence),
-            counts_table=self.output_counts if frequency or presence else None,
-            seen_table=self.seen_mask if repetition else None,
+            no_penalties=not any(penalties.values()),
+            counts_table=self.output_counts if penalties["frequency"] or penalties["presence"] else None,
+            seen_table=self.seen_mask if penalties["repetition"] else None,
             max_num_logprobs=logprobs if logprobs >= 0 else None,
-            rows=rows_d,
         )
         min_tokens = self._min_tokens[rows]
-        composition = _Composition(rows=rows.copy(), version=self._version, fields=fields, rows_d=rows_d, ints=ints,
-                                   any_seeded=any_seeded, seeded=seeded,
-                                   seed_lo=self._seed_lo[rows], seed_hi=self._seed_hi[rows],
-                                   min_tokens=min_tokens, any_min_tokens=bool(min_tokens.any()))
-        self._last_composition = composition
-        return composition
+        return _Composition(rows=rows.astype(np.int64), version=self._version, fields=fields, penalties=penalties,
+                            greedy=greedy, any_seeded=bool(seeded.any()), seeded=seeded,
+                            seed_lo=self._seed_lo[rows], seed_hi=self._seed_hi[rows],
+                            min_tokens=min_tokens, any_min_tokens=bool(min_tokens.any()))
+
+    def _add_device_fields(self, composition: _Composition, sent: dict[str, torch.Tensor]) -> None:
+        """The composition's device fields: its rows' parameters gathered by the ``sent`` rows."""
+        rows_d = sent["rows"]
+        floats = self.float_params[rows_d]
+        ints = self.int_params[rows_d]
+        penalties = composition.penalties
+        composition.rows_d, composition.ints = rows_d, ints
+        composition.fields.update(
+            temperature=floats[:, _TEMPERATURE],
+            is_greedy=sent["greedy"],
+            top_k=ints[:, _TOP_K],
+            top_p=floats[:, _TOP_P],
+            min_p=floats[:, _MIN_P],
+            is_seeded=sent["seeded"] if composition.any_seeded else None,
+            presence_penalties=floats[:, _PRESENCE] if penalties["presence"] else None,
+            frequency_penalties=floats[:, _FREQUENCY] if penalties["frequency"] else None,
+            repetition_penalties=floats[:, _REPETITION],
+            rows=rows_d,
+        )
 
     def record_sampled(self, metadata: SamplingMetadata, sampled: torch.Tensor,
                        counted: torch.Tensor | None = None) -> None:

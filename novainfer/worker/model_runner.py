@@ -923,8 +923,8 @@ class ModelRunner:
         elif num_logprobs is not None:  # greedy with logprobs: both off the whole logits, without the sampler
             sampled, logprobs = greedy_with_logprobs(self._full_logits(head_output), num_logprobs)
         else:
-            metadata = self.sampling_table.gather(np.fromiter((s.row for s in sampling), np.int64, len(sampling)),
-                                                  np.asarray(num_outputs, dtype=np.int64))
+            step_rows = rows if len(sampling_seqs) == num_seqs else rows[sampling_seqs]
+            metadata = self.sampling_table.gather(step_rows, np.asarray(num_outputs, dtype=np.int64))
             # In the model's dtype: the sampler reads them as they are (no float32 copy on its fused path).
             out = self.sampler(self._full_logits(head_output), metadata)
             sampled, logprobs = out.sampled_token_ids, out.logprobs

@@ -107,3 +107,11 @@ def test_requests_joining_and_sampling_never_sync(select):
         join_and_sample(0)  # rows reused
         join_and_sample(2 * len(settings))  # the table grows
     torch.cuda.synchronize()
+
+
+def test_each_step_reads_its_own_rows_through_the_cuda_staging_buffers():
+    """On CUDA the staging buffer's two pinned host halves take turns; steps alternating between
+    compositions and growing it still read their own rows (the CPU test's checks)."""
+    from tests.test_sampling_state import check_each_step_reads_its_own_rows
+
+    check_each_step_reads_its_own_rows(torch.device("cuda"))
