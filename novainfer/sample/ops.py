@@ -151,14 +151,18 @@ _launch_draw = KernelLauncher(_draw_kernel)
 
 
 def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor | None,
-                          with_lse: bool, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          with_lse: bool, block: int = 4096,
+                          record: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """One token per row of ``logits`` [B, V] (any float dtype), in one pass: min_tokens mask and
     penalties of ``metadata``, then greedy rows take the argmax and the others draw from
     softmax(logits / temperature) over the whole vocabulary with the Exp(1) noise of their row's
     ``keys`` entry ([B] int64, see :mod:`novainfer.sample.rng`; None when every row is greedy).
     Callers make sure no random row has a top-k, top-p or min-p.
 
-    Returns the tokens [B] int64 and, ``with_lse``, the log-sum-exp [B] float32 of the raw logits.
+    Returns the tokens [B] int64, ``with_lse`` the log-sum-exp [B] float32 of the raw logits (else
+    None), and whether the tokens were also recorded in the sampling table's penalty state (as
+    SamplingStateTable.record_sampled does): with ``record``, where the step reads the tables in
+    place (not gathered copies).
     """
     stop = None if metadata.min_tokens_mask is None else metadata.min_tokens_mask.view(torch.uint8)
     seen, seen_rows = metadata.table_rows("seen_table")
@@ -167,18 +171,22 @@ def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys
     if seen is not None and counts is not None and seen_rows is not counts_rows:
         # One table gathered (changed in place) and the other not: both as copies, read at row b.
         seen, counts, table_rows = metadata.seen_token_mask, metadata.output_token_counts, None
-    return _draw(logits, metadata.temperature, metadata.is_greedy.contiguous().view(torch.uint8), keys, stop,
-                 None if seen is None else seen.view(torch.uint8), metadata.repetition_penalties, counts,
-                 metadata.frequency_penalties, metadata.presence_penalties, with_lse, block, table_rows)
+    record = record and table_rows is not None and (seen is not None or counts is not None)
+    tokens, lse = _draw(logits, metadata.temperature, metadata.is_greedy.contiguous().view(torch.uint8), keys, stop,
+                        None if seen is None else seen.view(torch.uint8), metadata.repetition_penalties, counts,
+                        metadata.frequency_penalties, metadata.presence_penalties, with_lse, block, table_rows, record)
+    return tokens, lse, record
 
 
 def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, keys: torch.Tensor | None,
           stop: torch.Tensor | None, seen: torch.Tensor | None, repetition: torch.Tensor,
           counts: torch.Tensor | None, frequency: torch.Tensor | None, presence: torch.Tensor | None,
-          with_lse: bool, block: int, table_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+          with_lse: bool, block: int, table_rows: torch.Tensor | None = None,
+          record: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`draw_whole_vocabulary` on plain tensors (uint8 masks, int32 counts, float32 per-row
     values; None for a stage the step skips). ``seen`` and ``counts`` are [B, V], row b row b's, or,
-    with ``table_rows`` ([B] int64), tables whose row ``table_rows[b]`` is row b's."""
+    with ``table_rows`` ([B] int64), tables whose row ``table_rows[b]`` is row b's; ``record``
+    (tables only) adds the tokens to them."""
     batch_size, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, block)
     device = logits.device
@@ -193,6 +201,7 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     counts_table = stand_in(counts, torch.int32, device)
     frequency_values = stand_in(frequency, torch.float32, device)
     presence_values = stand_in(presence, torch.float32, device)
+    rows = stand_in(table_rows, torch.int64, device)
     _launch_draw[(batch_size, num_chunks)](
         logits, logits.stride(0), vocab_size, num_chunks, temperature, temperature.stride(0), greedy,
         stand_in(keys, torch.int64, device),
@@ -200,7 +209,7 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
         int(seen is not None), repetition, repetition.stride(0), seen_table, seen_table.stride(0),
         int(frequency is not None), frequency_values, frequency_values.stride(0),
         int(presence is not None), presence_values, presence_values.stride(0), counts_table, counts_table.stride(0),
-        int(table_rows is not None), stand_in(table_rows, torch.int64, device),
+        int(table_rows is not None), rows,
         best_score, best_token, chunk_max, chunk_sum,
         BLOCK=block, NOISE=keys is not None, LSE=with_lse,
         # No fused multiply-adds, so that penalized logits round as torch's separate operations do.
@@ -208,7 +217,9 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     tokens = torch.empty(batch_size, dtype=torch.int64, device=device)
     lse = torch.empty(batch_size, dtype=torch.float32, device=device) if with_lse else best_score
     _launch_combine_chunks[(batch_size,)](best_score, best_token, chunk_max, chunk_sum, num_chunks, tokens, lse,
-                                          CHUNKS=triton.next_power_of_2(num_chunks), LSE=with_lse)
+                                          int(record and seen is not None), seen_table, seen_table.stride(0),
+                                          int(record and counts is not None), counts_table, counts_table.stride(0),
+                                          rows, CHUNKS=triton.next_power_of_2(num_chunks), LSE=with_lse)
     return tokens, lse if with_lse else None
 
 
@@ -404,17 +415,25 @@ def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         exponential_noise_triton(keys, token_ids)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["record_seen", "stride_seen", "record_counts", "stride_counts"])
 def _combine_chunks_kernel(best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_sum_ptr, num_chunks, tokens_ptr,
-                           lse_ptr, CHUNKS: tl.constexpr, LSE: tl.constexpr):
-    """A row's token and log-sum-exp from its chunks' (one launch rather than a few torch ops)."""
+                           lse_ptr, record_seen, seen_ptr, stride_seen, record_counts, counts_ptr, stride_counts,
+                           table_rows_ptr, CHUNKS: tl.constexpr, LSE: tl.constexpr):
+    """A row's token and log-sum-exp from its chunks' (one launch rather than a few torch ops);
+    with ``record_seen`` / ``record_counts``, the token is also marked in its table row's seen mask
+    and counted in its output counts (SamplingStateTable.record_sampled, without launches of its own)."""
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, CHUNKS)
     valid = chunks < num_chunks
     scores = tl.load(best_score_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
     # The first chunk of the best score holds the lowest id among equal best scores.
     _, best = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(tokens_ptr + row, tl.load(best_token_ptr + row * num_chunks + best))
+    token = tl.load(best_token_ptr + row * num_chunks + best)
+    tl.store(tokens_ptr + row, token)
+    if record_seen != 0:
+        tl.store(seen_ptr + tl.load(table_rows_ptr + row) * stride_seen + token, 1)
+    if record_counts != 0:  # atomic: step rows may share a table row
+        tl.atomic_add(counts_ptr + tl.load(table_rows_ptr + row) * stride_counts + token, 1)
     if LSE:
         tl.store(lse_ptr + row, topk.combined_lse(chunk_max_ptr, chunk_sum_ptr, row, num_chunks, CHUNKS))
 

@@ -38,11 +38,14 @@ class LogprobsTensors:
     token_ids: torch.Tensor  # [B, k + 1] int64; column 0 = sampled token, then top-k
     logprobs: torch.Tensor  # [B, k + 1] float32, top-k part sorted descending
     sampled_token_ranks: torch.Tensor  # [B] int64, 1 = most likely token
-
+    # What :meth:`pack` returns, where the three above are views of it (the top-k kernel writes it).
+    packed: torch.Tensor | None = None
 
     def pack(self) -> torch.Tensor:
         """One int64 [B, 1 + 2 (k + 1)] tensor, for a single copy to the host: the sampled token's
         rank, the token ids, then the logprobs' float32 bit patterns (see :meth:`unpack`)."""
+        if self.packed is not None:
+            return self.packed
         value_bits = self.logprobs.view(torch.int32).to(torch.int64)
         return torch.cat([self.sampled_token_ranks.unsqueeze(1), self.token_ids, value_bits], dim=1)
 
@@ -58,6 +61,8 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None
+    # Whether the tokens are already in the sampling table's penalty state (see Sampler.forward).
+    recorded: bool = False
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -244,7 +249,10 @@ class Sampler(nn.Module):
 
             warm_up(vocab_size, dtype, device)
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata, record: bool = False) -> SamplerOutput:
+        """``record``: the sampler may add the tokens to the penalty state of the table ``metadata``
+        came from, as SamplingStateTable.record_sampled would (the fused draw does it in its last
+        launch); the output says whether it did, so that the caller records them otherwise."""
         batch_size = metadata.temperature.shape[0]
         if logits.shape != (batch_size, metadata.vocab_size):
             raise ValueError(
@@ -252,19 +260,21 @@ class Sampler(nn.Module):
                 f"sampling metadata, got {tuple(logits.shape)}"
             )
         lse = None  # of the raw logits, where the draw computes it
+        recorded = False
         if logits.is_cuda and draws_from_whole_vocabulary(metadata):
             # One Triton pass over the logits, in their own dtype (see novainfer.sample.ops).
             from novainfer.sample.ops import draw_whole_vocabulary
 
-            sampled, lse = draw_whole_vocabulary(logits, metadata, metadata.noise_keys,
-                                                 with_lse=metadata.max_num_logprobs is not None)
+            sampled, lse, recorded = draw_whole_vocabulary(logits, metadata, metadata.noise_keys,
+                                                           with_lse=metadata.max_num_logprobs is not None,
+                                                           record=record)
         else:
             sampled = self._sample(apply_penalties_and_min_tokens(logits, metadata), metadata)
         # Logprobs describe the model's own distribution (vLLM v1's default "raw" mode).
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = gather_logprobs(logits, sampled, metadata.max_num_logprobs, lse)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, recorded=recorded)
 
     @staticmethod
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

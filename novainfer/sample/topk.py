@@ -160,10 +160,16 @@ def _collect_candidates_kernel(logits_ptr, stride_logits, vocab_size, thresholds
 _launch_collect_candidates = KernelLauncher(_collect_candidates_kernel)
 
 
+@triton.jit
+def _float_bits(x):
+    """The bit pattern of float32 ``x`` as a sign-extended int64 (how LogprobsTensors.pack keeps it)."""
+    return x.to(tl.int32, bitcast=True).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["row_slots", "k", "stride_out", "logprobs", "sampled_is_top", "num_chunks",
                                "lse_given"])
 def _top_k_merge_kernel(candidates_ptr, counts_ptr, row_slots, k, values_ptr, ids_ptr, stride_out,
-                        logprobs, sampled_is_top, num_chunks, sampled_ptr, sampled_logit_ptr, greater_ptr, ranks_ptr,
+                        logprobs, sampled_is_top, num_chunks, sampled_ptr, sampled_logit_ptr, greater_ptr,
                         lse_given, lse_ptr, chunk_max_ptr, chunk_sum_ptr,
                         SLOTS: tl.constexpr, FEW: tl.constexpr, K: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -178,10 +184,10 @@ def _top_k_merge_kernel(candidates_ptr, counts_ptr, row_slots, k, values_ptr, id
         top = tl.topk(tl.load(row_candidates + slots, mask=slots < count, other=_NONE), K)
     values, ids = _unkey(top)
     out = tl.arange(0, K)
-    first = logprobs  # 0 or 1
     if logprobs != 0:
-        # Logprobs: column 0 the sampled token, then the top k, each its logit minus the row's
-        # log-sum-exp; and the sampled token's rank.
+        # Logprobs, in one int64 row of ids_ptr laid out as LogprobsTensors.pack lays them out: the
+        # sampled token's rank, the token ids (the sampled token, then the top k), then their
+        # logprobs' float32 bits (logit minus the row's log-sum-exp).
         if lse_given != 0:
             lse = tl.load(lse_ptr + row)
         else:
@@ -189,17 +195,25 @@ def _top_k_merge_kernel(candidates_ptr, counts_ptr, row_slots, k, values_ptr, id
         values = values - lse
         if sampled_is_top != 0:
             # A greedy step's token: the top entry (the lowest id among equal maxima, as argmax's).
-            tl.store(ids_ptr + row * stride_out, tl.sum(tl.where(out == 0, ids, 0), axis=0))
-            tl.store(values_ptr + row * stride_out, tl.sum(tl.where(out == 0, values, 0.0), axis=0))
-            tl.store(ranks_ptr + row, tl.full([], 1, tl.int64))
+            sampled_id = tl.sum(tl.where(out == 0, ids, 0), axis=0)
+            sampled_value = tl.sum(tl.where(out == 0, values, 0.0), axis=0)
+            rank = tl.full([], 1, tl.int64)
         else:
-            tl.store(ids_ptr + row * stride_out, tl.load(sampled_ptr + row))
-            tl.store(values_ptr + row * stride_out, tl.load(sampled_logit_ptr + row) - lse)
+            sampled_id = tl.load(sampled_ptr + row)
+            sampled_value = tl.load(sampled_logit_ptr + row) - lse
             greater = tl.load(greater_ptr + row * num_chunks + tl.arange(0, CHUNKS),
                               mask=tl.arange(0, CHUNKS) < num_chunks, other=0)
-            tl.store(ranks_ptr + row, tl.sum(greater, axis=0).to(tl.int64) + 1)
-    tl.store(values_ptr + row * stride_out + first + out, values, mask=out < k)
-    tl.store(ids_ptr + row * stride_out + first + out, ids, mask=out < k)
+            rank = tl.sum(greater, axis=0).to(tl.int64) + 1
+        packed = ids_ptr + row * stride_out
+        bits = packed + 2 + k
+        tl.store(packed, rank)
+        tl.store(packed + 1, sampled_id)
+        tl.store(bits, _float_bits(sampled_value))
+        tl.store(packed + 2 + out, ids, mask=out < k)
+        tl.store(bits + 1 + out, _float_bits(values), mask=out < k)
+    else:
+        tl.store(values_ptr + row * stride_out + out, values, mask=out < k)
+        tl.store(ids_ptr + row * stride_out + out, ids, mask=out < k)
 
 
 _launch_top_k_merge = KernelLauncher(_top_k_merge_kernel)
@@ -212,13 +226,11 @@ def kernel_width(k: int) -> int:
 
 @dataclass
 class _Logprobs:
-    """The logprobs mode's inputs and outputs (see :func:`top_k_logprobs`)."""
+    """The logprobs mode's inputs and output (see :func:`top_k_logprobs`)."""
 
     sampled: torch.Tensor | None  # [B] int64, or None for each row's top entry (a greedy step)
     lse: torch.Tensor | None  # [B] float32, or None to compute it
-    ids: torch.Tensor  # [B, 1 + k] int64
-    logprobs: torch.Tensor  # [B, 1 + k] float32
-    ranks: torch.Tensor  # [B] int64
+    packed: torch.Tensor  # [B, 1 + 2 (1 + n)] int64: ranks, ids, logprobs' bits
 
 
 def top_k(logits: torch.Tensor, k: int, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,26 +246,31 @@ def top_k(logits: torch.Tensor, k: int, block: int = 4096) -> tuple[torch.Tensor
 
 
 def top_k_logprobs(logits: torch.Tensor, sampled: torch.Tensor | None, num_logprobs: int, lse: torch.Tensor | None,
-                   block: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   block: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of ``logits`` [B, V] (any float dtype) in the same launches as :func:`top_k`:
     token ids [B, 1 + n] int64 (column 0 the ``sampled`` token [B] int64, then the top
     n = ``num_logprobs`` <= MAX_K as :func:`top_k` orders them), their logprobs [B, 1 + n] float32
     (logit minus the row's log-sum-exp, ``lse`` [B] float32 where given, else computed in the
-    pass), and the sampled tokens' ranks [B] int64 (1 + the number of strictly larger logits).
-    ``sampled`` None: each row's top entry, the argmax (a greedy step's token, whose rank is 1),
-    with no argmax of its own and no ranks counted."""
-    batch_size, device = logits.shape[0], logits.device
+    pass), the sampled tokens' ranks [B] int64 (1 + the number of strictly larger logits), and the
+    int64 tensor [B, 1 + 2 (1 + n)] that the three are views of, laid out as
+    novainfer.sample.sampler.LogprobsTensors.pack lays them out (so that it is copied to the host
+    as it is). ``sampled`` None: each row's top entry, the argmax (a greedy step's token, whose rank
+    is 1), with no argmax of its own and no ranks counted."""
+    batch_size, width = logits.shape[0], 1 + num_logprobs
     mode = _Logprobs(None if sampled is None else sampled.contiguous(), lse,
-                     torch.empty(batch_size, 1 + num_logprobs, dtype=torch.int64, device=device),
-                     torch.empty(batch_size, 1 + num_logprobs, dtype=torch.float32, device=device),
-                     torch.empty(batch_size, dtype=torch.int64, device=device))
+                     torch.empty(batch_size, 1 + 2 * width, dtype=torch.int64, device=logits.device))
     # The top entry at least: the kernels need a k >= 1; the columns past n are not written.
-    _launch(logits, max(num_logprobs, 1), mode.logprobs, mode.ids, mode, block, stored=num_logprobs)
-    return mode.ids, mode.logprobs, mode.ranks
+    _launch(logits, max(num_logprobs, 1), None, mode.packed, mode, block, stored=num_logprobs)
+    packed = mode.packed
+    # Each logprob's bits are the low half of its int64 (little-endian, as CUDA devices are).
+    logprobs = packed[:, 1 + width:].view(torch.float32)[:, ::2]
+    return packed[:, 1:1 + width], logprobs, packed[:, 0], packed
 
 
-def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tensor, mode: _Logprobs | None,
+def _launch(logits: torch.Tensor, k: int, values: torch.Tensor | None, ids: torch.Tensor, mode: _Logprobs | None,
             block: int, stored: int | None = None) -> None:
+    """The four launches. ``values`` and ``ids``: the top k's [B, k] outputs, or (``mode``) None and
+    the packed logprobs."""
     batch_size, vocab_size = logits.shape
     if not 1 <= k <= min(MAX_K, vocab_size):
         raise ValueError(f"k must be in [1, {min(MAX_K, vocab_size)}], got {k}")
@@ -272,22 +289,22 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tenso
     candidates = torch.empty(batch_size, num_chunks * width, dtype=torch.int64, device=device)
     # Absent inputs and outputs are never touched (their flag is off); stand-ins of the same dtypes
     # keep the kernels' signatures, so that both modes launch the same compiled variants.
-    sampled = sampled_logit = greater = ranks = lse = chunk_max = chunk_sum = None
+    sampled = sampled_logit = greater = lse = chunk_max = chunk_sum = None
     if mode is not None:
-        sampled, ranks, lse = mode.sampled, mode.ranks, mode.lse
+        sampled, lse = mode.sampled, mode.lse
         if sampled is not None:
             sampled_logit = torch.empty(batch_size, dtype=torch.float32, device=device)
             greater = torch.empty(batch_size, num_chunks, dtype=torch.int32, device=device)
         if lse is None:
             chunk_max = torch.empty(batch_size, num_chunks, dtype=torch.float32, device=device)
             chunk_sum = torch.empty_like(chunk_max)
-    int64s = [stand_in(t, torch.int64, device) for t in (sampled, ranks)]
+    sampled_or_stand_in = stand_in(sampled, torch.int64, device)
     float32s = [stand_in(t, torch.float32, device) for t in (sampled_logit, lse, chunk_max, chunk_sum)]
     greater = stand_in(greater, torch.int32, device)
     use_sampled, use_lse = int(sampled is not None), int(chunk_max is not None)
     _launch_group_maxima[(batch_size, num_chunks)](
         logits, logits.stride(0), vocab_size, num_chunks, maxima, counts,
-        use_sampled, int64s[0], float32s[0], greater, use_lse, float32s[2], float32s[3],
+        use_sampled, sampled_or_stand_in, float32s[0], greater, use_lse, float32s[2], float32s[3],
         BLOCK=block, GROUPS=groups, num_warps=8)
     _launch_row_thresholds[(batch_size,)](maxima, maxima.shape[1], thresholds,
                                           MAXIMA=triton.next_power_of_2(maxima.shape[1]), K=width, num_warps=8)
@@ -296,9 +313,9 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tenso
         BLOCK=block, K=width, num_warps=8)
     slots = triton.next_power_of_2(candidates.shape[1])
     _launch_top_k_merge[(batch_size,)](
-        candidates, counts, candidates.shape[1], k if stored is None else stored, values, ids, values.stride(0),
-        int(mode is not None), int(mode is not None and sampled is None), num_chunks, int64s[0], float32s[0],
-        greater, int64s[1],
-        int(lse is not None), float32s[1], float32s[2], float32s[3],
+        candidates, counts, candidates.shape[1], k if stored is None else stored,
+        stand_in(values, torch.float32, device), ids, ids.stride(0),
+        int(mode is not None), int(mode is not None and sampled is None), num_chunks, sampled_or_stand_in,
+        float32s[0], greater, int(lse is not None), float32s[1], float32s[2], float32s[3],
         SLOTS=slots, FEW=min(4 * width, slots), K=width, CHUNKS=triton.next_power_of_2(num_chunks),
         num_warps=8)

@@ -926,9 +926,10 @@ class ModelRunner:
             step_rows = rows if len(sampling_seqs) == num_seqs else rows[sampling_seqs]
             metadata = self.sampling_table.gather(step_rows, np.asarray(num_outputs, dtype=np.int64))
             # In the model's dtype: the sampler reads them as they are (no float32 copy on its fused path).
-            out = self.sampler(self._full_logits(head_output), metadata)
+            out = self.sampler(self._full_logits(head_output), metadata, record=True)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
-            self.sampling_table.record_sampled(metadata, sampled)
+            if not out.recorded:
+                self.sampling_table.record_sampled(metadata, sampled)
         return SampledStep.start_copy(sampling, sampled, logprobs)
 
     def _device_drafts_of(self, spec_tokens: dict[str, list[int]]) -> DeviceDrafts | None:

@@ -101,7 +101,8 @@ def test_draw_equals_the_torch_path_for_the_same_noise(dtype):
     for seed in range(3):
         logits, metadata = batch(dtype, seed)
         keys = step_keys(metadata, seed)
-        tokens, lse = draw_whole_vocabulary(logits.to(DEVICE), metadata, keys, with_lse=True, block=BLOCK)
+        tokens, lse, recorded = draw_whole_vocabulary(logits.to(DEVICE), metadata, keys, with_lse=True, block=BLOCK)
+        assert not recorded  # not asked to
         expected = torch_draw(logits.to(DEVICE), metadata, keys)
         assert tokens.dtype == torch.int64
         assert tokens.tolist() == expected.tolist()
@@ -110,15 +111,42 @@ def test_draw_equals_the_torch_path_for_the_same_noise(dtype):
         assert tokens[9].item() in (2, BLOCK + 1, VOCAB - 2)
         torch.testing.assert_close(lse.cpu(), torch.logsumexp(logits.float(), dim=-1), rtol=0, atol=LSE_ATOL)
 
-        without_lse, none = draw_whole_vocabulary(logits.to(DEVICE), metadata, keys, with_lse=False, block=BLOCK)
+        without_lse, none, _ = draw_whole_vocabulary(logits.to(DEVICE), metadata, keys, with_lse=False, block=BLOCK)
         assert none is None and torch.equal(without_lse, tokens)
+
+
+def test_a_recording_draw_updates_the_penalty_state_as_record_sampled_does():
+    """With ``record`` the draw's last launch adds each row's token to its table row's output counts
+    and seen mask, also where two step rows share a table row. Oracle: a second table of the same
+    requests, the torch path's tokens recorded by SamplingStateTable.record_sampled, over several
+    steps (each step's penalties read what the steps before recorded)."""
+    generator = torch.Generator().manual_seed(4)
+    params = [p for p in PARAMS if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty]
+    prompts = [torch.randint(0, VOCAB, (30,), generator=generator).tolist() for _ in params]
+    outputs = [torch.randint(0, 60, (10,), generator=generator).tolist() for _ in params]
+    rows = [2 * i + 1 for i in range(len(params))]
+    tables = [SamplingStateTable(VOCAB, torch.device(DEVICE), seed=1) for _ in range(2)]
+    for table in tables:
+        table.add_requests(rows, params, prompts, outputs)
+    step_rows = np.asarray(rows + rows[:2], dtype=np.int64)  # two table rows sampled twice in the step
+    for step in range(3):
+        logits = (torch.randn(len(step_rows), VOCAB, generator=generator) * 3).to(DEVICE)
+        positions = np.full(len(step_rows), 10 + step, dtype=np.int64)
+        metadata = [table.gather(step_rows, positions) for table in tables]
+        tokens, _, recorded = draw_whole_vocabulary(logits, metadata[0], metadata[0].noise_keys, with_lse=False,
+                                                    block=BLOCK, record=True)
+        expected = torch_draw(logits, metadata[1], metadata[1].noise_keys)
+        assert recorded and tokens.tolist() == expected.tolist()
+        tables[1].record_sampled(metadata[1], expected)
+        assert torch.equal(tables[0].output_counts, tables[1].output_counts)
+        assert torch.equal(tables[0].seen_mask, tables[1].seen_mask)
 
 
 def test_all_greedy_rows_need_no_keys():
     logits, metadata = batch(torch.float32, 0)
     greedy = [SamplingParams(temperature=0.0)] * len(PARAMS)
     metadata = SamplingMetadata.from_requests(greedy, [[]] * len(greedy), [[]] * len(greedy), DEVICE, VOCAB)
-    tokens, _ = draw_whole_vocabulary(logits.to(DEVICE), metadata, None, with_lse=False, block=BLOCK)
+    tokens, _, _ = draw_whole_vocabulary(logits.to(DEVICE), metadata, None, with_lse=False, block=BLOCK)
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
@@ -331,3 +359,31 @@ def test_cuda_draws_follow_the_distribution(params, expected, seeded):
     freq = torch.bincount(tokens, minlength=len(PROBS)).float() / NUM_DRAWS
     assert (freq - expected).abs().max().item() < TOLERANCE, (freq, expected)
     assert torch.all(freq[expected == 0] == 0), "a token outside the allowed set was sampled"
+
+
+@pytest.mark.gpu
+def test_engine_tokens_with_penalties_recorded_in_the_draw_equal_those_recorded_by_the_table(monkeypatch):
+    """The engine's decode steps with penalties record their tokens in the fused draw's last launch;
+    with that turned off (SamplingStateTable.record_sampled records them instead) every seeded
+    request gets the same tokens, over enough steps that each reads many recorded ones."""
+    from novainfer import LLM
+    from novainfer.sample import ops
+    from tests.utils import random_ids, tiny_model
+
+    settings = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.5),
+                dict(repetition_penalty=0.8, frequency_penalty=-0.4), dict(temperature=0.0, presence_penalty=1.2)]
+    params = [SamplingParams(temperature=s.pop("temperature", 0.9), seed=i, max_tokens=48, ignore_eos=True, **s)
+              for i, s in enumerate(settings * 2)]
+    results = []
+    for fused in (True, False):
+        if not fused:
+            draw = ops.draw_whole_vocabulary
+            monkeypatch.setattr(ops, "draw_whole_vocabulary",
+                                lambda *args, **kwargs: draw(*args, **{**kwargs, "record": False}))
+        llm = LLM(str(tiny_model()), device="cuda", dtype="float32")
+        vocab_size = llm.llm_engine.model_config.vocab_size
+        outputs = llm.generate([{"prompt_token_ids": random_ids(i, 12, vocab_size)} for i in range(len(params))],
+                               params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outputs])
+        llm.shutdown()
+    assert results[0] == results[1]

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
+from novainfer.sample.sampler import LogprobsTensors  # noqa: E402
 from novainfer.sample.topk import MAX_K, top_k, top_k_logprobs  # noqa: E402
 from novainfer.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.triton_env import DEVICE, DTYPES, INTERPRET, MARKS  # noqa: E402
@@ -99,8 +100,11 @@ def test_logprobs_mode_gives_the_sampled_and_top_logprobs_and_ranks(num_logprobs
     sampled = torch.stack([top_ids[0, 0], top_ids[1, 9], top_ids[2, 2], top_ids[3, VOCAB // 2], top_ids[4, VOCAB - 1],
                            torch.tensor(VOCAB - 1)])
     lse = torch.logsumexp(exact, dim=-1)
-    ids, logprobs, ranks = top_k_logprobs(logits.to(DEVICE), sampled.to(DEVICE), num_logprobs,
-                                          lse.to(DEVICE) if lse_given else None, block=BLOCK)
+    ids, logprobs, ranks, packed = top_k_logprobs(logits.to(DEVICE), sampled.to(DEVICE), num_logprobs,
+                                                  lse.to(DEVICE) if lse_given else None, block=BLOCK)
+    # The three are views of the copy the kernel writes, laid out as the torch path packs them.
+    copies = LogprobsTensors(ids.contiguous(), logprobs.contiguous(), ranks.contiguous())
+    assert torch.equal(packed, copies.pack())
     want_ids = torch.cat([sampled.unsqueeze(1), top_ids[:, :num_logprobs]], dim=1)
     assert ids.dtype == ranks.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert torch.equal(ids.cpu(), want_ids)
