@@ -301,8 +301,8 @@ class SamplingStateTable:
             self._staging = _StepStaging(max(len(rows), 2 * self._staging.capacity), self.device)
         positions = positions.astype(np.int64, copy=False)
         composition = self._last_composition
-        kept = composition is not None and composition.version == self._version and np.array_equal(composition.rows,
-                                                                                                   rows)
+        kept = (composition is not None and composition.version == self._version
+                and np.array_equal(composition.rows, rows))
         if not kept:
             composition = self._composition(rows)
         blocking = composition.any_min_tokens and bool((positions < composition.min_tokens).any())
@@ -342,7 +342,8 @@ class SamplingStateTable:
         top_k = self._top_k[rows][random]
         has_top_k = top_k < vocab
         seeded = self._seeded[rows]
-        penalties = {name: bool(getattr(self, "_" + name)[rows].any()) for name in ("repetition", "frequency", "presence")}
+        penalties = {name: bool(getattr(self, "_" + name)[rows].any())
+                     for name in ("repetition", "frequency", "presence")}
         logprobs = int(self._logprobs[rows].max(initial=-1))
         fields = dict(
             vocab_size=vocab,
