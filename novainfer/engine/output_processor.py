@@ -125,11 +125,8 @@ class OutputProcessor:
         # The sparse columns by request index (most steps have none: decode steps without logprobs).
         finished = dict(zip(m.finished, zip(m.finish_reasons, m.stop_reasons))) if m.finished else {}
         started = dict(zip(m.started, zip(m.num_cached_tokens, m.first_scheduled_times))) if m.started else {}
-        # Request index -> the window row of its first new token's logprobs.
         window = self.logprobs_window
-        first_rows = [window.add(block) for block in m.logprobs_blocks]
-        logprobs_row = {index: first_rows[block] + row
-                        for index, block, row in zip(m.with_logprobs, m.logprobs_block_index, m.logprobs_rows)}
+        logprobs_rows = self._window_rows(m, [window.add(block) for block in m.logprobs_blocks])
         children = self.children
         token_ids = m.token_ids
         end = 0
@@ -146,8 +143,8 @@ class OutputProcessor:
                 self._start(parent, child, started.get(index), now)
             finish = finished.get(index)
             kept = self._apply(child, token_ids[start:end], finish)
-            if child.logprobs is not None and index in logprobs_row:
-                child.logprobs.add_window_rows(window, logprobs_row[index], kept)
+            if child.logprobs is not None and logprobs_rows is not None and logprobs_rows[index] is not None:
+                child.logprobs.add_window_rows(window, logprobs_rows[index], kept)
             if child.finish_reason is not None:
                 self._finish(parent, child, now)
                 if finish is None:
@@ -156,6 +153,21 @@ class OutputProcessor:
                 touched[parent.request_id] = None
             parent.metrics.last_token_time = now
         return list(touched), to_abort
+
+    @staticmethod
+    def _window_rows(m: EngineCoreOutputs, first_rows: list[int]) -> list[int | None] | None:
+        """Per request index, the window row of its first new token's logprobs (None for a request
+        without); None when no request has any. ``first_rows``: the window row of each block's first."""
+        if not m.with_logprobs:
+            return None
+        if len(m.with_logprobs) == len(m.request_ids) and len(first_rows) == 1:
+            # Every request in one block (a decode step where all ask for logprobs): no index to map.
+            first = first_rows[0]
+            return [first + row for row in m.logprobs_rows]
+        rows: list[int | None] = [None] * len(m.request_ids)
+        for index, block, row in zip(m.with_logprobs, m.logprobs_block_index, m.logprobs_rows):
+            rows[index] = first_rows[block] + row
+        return rows
 
     def _start(self, parent: ParentState, child: ChildState, first: tuple[int, float | None] | None,
                now: float) -> None:
