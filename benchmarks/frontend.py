@@ -6,8 +6,8 @@ engine step, beside the step on a GPU (or between steps, in one process):
 * ``steps``: ``OutputProcessor.process_outputs`` for ``--requests`` requests that each get one
   token per step for ``--steps`` steps, with and without text and with and without ``--logprobs``
   (one step block of logprob rows per step, as the model runner sends), for outputs only at the end
-  (``LLM.generate``) and for a delta every step (a streamed request). Mean ms per step, the best of
-  ``--repeats`` runs.
+  (``LLM.generate``: their texts decoded together once all finished, included in the time) and for a
+  delta every step (a streamed request). Mean ms per step, the best of ``--repeats`` runs.
 * ``text``: ``OutputTextState`` (incremental detokenization, stop strings, streaming deltas) per
   token at successive positions of one ``--text-tokens``-token output, streamed or read at the end,
   with and without a stop string: whether the cost per token grows with the output.
@@ -94,8 +94,11 @@ def time_steps(tokenizer, messages: list[Any], args: argparse.Namespace, text: b
         request = EngineCoreRequest(f"r{i}", [5, 6, 7], params, args.steps, 0.0)
         processor.add_request(f"r{i}", None, [5, 6, 7], kind, [request])
     started = time.perf_counter()
+    if not streamed:  # as LLM.generate does: final texts decoded together at the end (timed here too)
+        processor.batch_final_texts()
     for message in messages:
         processor.process_outputs(message)
+    processor.decode_final_texts()
     return (time.perf_counter() - started) / len(messages) * 1e3
 
 

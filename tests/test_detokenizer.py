@@ -202,6 +202,31 @@ def test_deferred_text_equals_the_streamed_text(tokenizer, seed, skip):
     assert deferred.take_delta(finished=True) == streamed.text
 
 
+def test_batched_final_decodes_equal_the_streamed_texts(tokenizer):
+    """Final texts decoded together (``IncrementalDetokenizer.decode_outputs``: batched calls per
+    special-token setting, a text ending inside a character redone alone) equal what feeding each
+    request's tokens step by step builds, for requests of both settings, outputs that end inside a
+    character, empty outputs and prompts that end inside one."""
+    rng = random.Random(7)
+    byte_tokens = [i for i in range(200, 2000) if "\ufffd" in tokenizer.decode([i])][:50]
+    pool = list(range(len(tokenizer))) + byte_tokens * 300
+    requests, expected, ends_inside = [], [], []
+    for i in range(40):
+        skip = i % 3 != 0
+        prompt = [rng.choice(pool) for _ in range(rng.randint(0, 12))]
+        ids = [rng.choice(pool) for _ in range(rng.choice((0, 1, 30, 200)))]
+        streamed = OutputTextState(tokenizer, prompt, skip_special_tokens=skip)
+        deferred = OutputTextState(tokenizer, prompt, skip_special_tokens=skip, defer=True)
+        for token in ids:
+            streamed.append_tokens([token])
+            deferred.append_tokens([token])
+        requests.append(deferred.final_decode())
+        expected.append(streamed.text)
+        ends_inside.append(tokenizer.decode(prompt[-5:] + ids, skip_special_tokens=skip).endswith("\ufffd"))
+    assert any(ends_inside) and not all(ends_inside)
+    assert IncrementalDetokenizer.decode_outputs(requests) == expected
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_text_read_after_several_steps_equals_text_read_every_step(tokenizer, seed):
     """A streamed request whose reader is behind decodes several steps' tokens at once; at every

@@ -93,6 +93,27 @@ def is_cjk(char: str) -> bool:
     return "\u4e00" <= char <= "\u9fff"
 
 
+def test_final_texts_decoded_together_equal_the_streamed_texts(llm, tokenizer):
+    """LLM.generate decodes its final texts once every request finished, in batched calls; each
+    equals the text streamed for the same (seeded) request and, where the tokens end on a whole
+    character, the tokenizer's decode of the tokens."""
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=NUM_TOKENS, ignore_eos=True,
+                             skip_special_tokens=i % 2 == 0) for i in range(2 * len(PROMPTS))]
+    prompts = PROMPTS * 2
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    deltas, _, final = stream(llm, prompts, params)
+    streamed = [final[rid] for rid in sorted(final, key=int)]
+    for out, streamed_out, p in zip(outputs, streamed, params):
+        [completion], [streamed_completion] = out.outputs, streamed_out.outputs
+        assert completion.token_ids == streamed_completion.token_ids
+        assert completion.text == "".join(deltas[streamed_out.request_id]) == streamed_completion.text
+        whole = tokenizer.decode(completion.token_ids, skip_special_tokens=p.skip_special_tokens,
+                                 clean_up_tokenization_spaces=False)
+        if not whole.endswith(REPLACEMENT):
+            assert completion.text == whole
+    assert_no_leaks(llm)
+
+
 # ---------------------------------------------------------------- stop strings
 
 

@@ -118,6 +118,30 @@ class IncrementalDetokenizer:
                 return text[len(context_text):]
         return ""
 
+    @staticmethod
+    def decode_outputs(requests: Sequence[tuple[IncrementalDetokenizer, Sequence[int]]]) -> list[str]:
+        """:meth:`decode_output` of each (detokenizer, token ids) pair, with the decodes of fast
+        tokenizers made in batched calls (one per backend and special-token setting): the tokenizers
+        library decodes a batch without holding the GIL, on several threads. A text that ends inside
+        a character is redone by :meth:`decode_output` alone."""
+        texts: list[str | None] = [None] * len(requests)
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, (detokenizer, _) in enumerate(requests):
+            if detokenizer._backend is not None:
+                groups.setdefault((id(detokenizer._backend), detokenizer._skip_special_tokens), []).append(i)
+        for members in groups.values():
+            first = requests[members[0]][0]
+            backend, skip = first._backend, first._skip_special_tokens
+            contexts = [requests[i][0]._context for i in members]
+            whole = backend.decode_batch([context + list(requests[i][1]) for i, context in zip(members, contexts)],
+                                         skip_special_tokens=skip)
+            context_texts = backend.decode_batch(contexts, skip_special_tokens=skip)
+            for i, text, context_text in zip(members, whole, context_texts):
+                if not text.endswith(_REPLACEMENT_CHAR):
+                    texts[i] = text[len(context_text):]
+        return [text if text is not None else detokenizer.decode_output(token_ids)
+                for text, (detokenizer, token_ids) in zip(texts, requests)]
+
     def _decode(self, token_ids: list[int]) -> str:
         # Cleanup of tokenization spaces looks across token boundaries, so
         # applying it to windows would not add up to applying it to the whole

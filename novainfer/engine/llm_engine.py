@@ -10,11 +10,12 @@ generates while the caller does its own work between steps; the front-end's work
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
@@ -104,6 +105,18 @@ class LLMEngine:
         if core_ids:
             self.engine_core.abort_requests(core_ids)
         return outputs
+
+    @contextlib.contextmanager
+    def final_texts_batched(self) -> Iterator[None]:
+        """Within the block, final outputs (RequestOutputKind.FINAL_ONLY) without stop strings come
+        back with their text empty; when it ends, their texts are decoded in a few batched calls
+        and filled in (see OutputProcessor.batch_final_texts). For callers that hand outputs on only
+        once every request finished, as ``LLM.generate`` does."""
+        self.output_processor.batch_final_texts()
+        try:
+            yield
+        finally:
+            self.output_processor.decode_final_texts()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from novainfer.core.messages import EngineCoreOutputs, EngineCoreRequest
-from novainfer.engine.detokenizer import TokenTexts
+from novainfer.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from novainfer.engine.output_text import OutputTextState
 from novainfer.outputs import CompletionOutput, FlatLogprobs, LogprobsWindow, RequestMetrics, RequestOutput
 from novainfer.sampling_params import RequestOutputKind, SamplingParams
@@ -69,6 +69,8 @@ class OutputProcessor:
         # Called with each finished sequence's finish reason (a server's metrics, summed over its processes).
         self.on_finished: Callable[[str], None] | None = None
         self.load = FrontendLoad()
+        # Final outputs whose text decode_final_texts fills, while batching (None: not batching).
+        self._final_texts: list[tuple[CompletionOutput, OutputTextState]] | None = None
 
     def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
                     output_kind: RequestOutputKind, children: list[EngineCoreRequest]) -> None:
@@ -243,6 +245,21 @@ class OutputProcessor:
         return parent_ids
 
     # ---- outputs -----------------------------------------------------------------------------
+    def batch_final_texts(self) -> None:
+        """From now on final outputs (RequestOutputKind.FINAL_ONLY) of texts decoded whole come with
+        their text empty, until :meth:`decode_final_texts` fills them: for a caller that returns
+        outputs only once all are finished (``LLM.generate``), so that their texts are decoded in a
+        few batched calls that run on several threads, off the steps."""
+        if self._final_texts is None:
+            self._final_texts = []
+
+    def decode_final_texts(self) -> None:
+        """Fills the texts left empty since :meth:`batch_final_texts` and stops batching."""
+        pending, self._final_texts = self._final_texts or [], None
+        texts = IncrementalDetokenizer.decode_outputs([state.final_decode() for _, state in pending])
+        for (completion, _), text in zip(pending, texts):
+            completion.text = completion.delta_text = text
+
     def make_output(self, parent_id: str) -> RequestOutput | None:
         """The parent's output since the previous one (all of it for cumulative outputs), None if
         the parent is unknown (already finished); forgets the parent once every sequence is finished."""
@@ -257,14 +274,18 @@ class OutputProcessor:
             reported = child.num_tokens_reported
             new_ids = child.token_ids[reported:]
             child.num_tokens_reported = len(child.token_ids)
+            # A final output's deferred text is left to decode_final_texts while batching.
+            batched = (self._final_texts is not None and finished and not delta and child.text is not None
+                       and child.text.deferred)
             # A sequence that finished earlier than its siblings has nothing more to stream.
-            delta_text = "" if child.final_reported or child.text is None else child.text.take_delta(finished=done)
+            delta_text = ("" if child.final_reported or child.text is None or batched
+                          else child.text.take_delta(finished=done))
             child.final_reported = done
             if delta:
                 text, token_ids = delta_text, new_ids
                 logprobs = None if child.logprobs is None else child.logprobs.take()
             else:
-                text = child.text.text if child.text is not None else ""
+                text = child.text.text if child.text is not None and not batched else ""
                 # The parent is forgotten after its final output: that one takes the lists themselves.
                 token_ids = child.token_ids if finished else list(child.token_ids)
                 logprobs = child.logprobs if finished or child.logprobs is None else child.logprobs[:]
@@ -273,6 +294,8 @@ class OutputProcessor:
                 cumulative_logprob=None if child.logprobs is None else child.logprobs.cumulative_logprob,
                 logprobs=logprobs, finish_reason=child.finish_reason, stop_reason=child.stop_reason if done else None,
                 delta_text=delta_text, delta_token_ids=new_ids))
+            if batched:
+                self._final_texts.append((outputs[-1], child.text))
         if finished:
             del self.parents[parent.request_id]
             for child in parent.children:

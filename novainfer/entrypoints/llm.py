@@ -79,12 +79,14 @@ class LLM:
 
             progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         try:
-            while len(finished) < len(request_ids):
-                for output in self.llm_engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        if progress is not None:
-                            progress.update(1)
+            # The outputs are handed on at the end: their texts are decoded then, in batched calls.
+            with self.llm_engine.final_texts_batched():
+                while len(finished) < len(request_ids):
+                    for output in self.llm_engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            if progress is not None:
+                                progress.update(1)
         except BaseException:
             self.llm_engine.abort_request([rid for rid in request_ids if rid not in finished])
             raise
