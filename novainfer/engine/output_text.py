@@ -108,21 +108,15 @@ class OutputTextState:
             raise RuntimeError("final_decode is for deferred texts only")
         return self._detokenizer, self._deferred_ids + self._pending_ids
 
-    def set_final_text(self, text: str) -> None:
-        """The text that :meth:`final_decode`'s tokens decode to: every token so far counts as decoded."""
-        self._deferred_ids += self._pending_ids
-        self._pending_ids = []
-        self._tail, self._tail_len = [], 0
-        self._append(text)
-
     def _decode_pending(self) -> None:
         if not self._pending_ids:
             return
-        if self._deferred_ids is not None:  # nothing is streamed: the text is decoded again, whole
-            self.set_final_text(self._detokenizer.decode_output(self._deferred_ids + self._pending_ids))
-            return
-        if len(self._pending_ids) == 1 or (self._token_texts is not None
-                                           and self._token_texts.ends_on_character(self._pending_ids)):
+        if self._deferred_ids is not None:
+            self._deferred_ids += self._pending_ids
+            self._tail, self._tail_len = [], 0  # nothing is streamed: the text is decoded again
+            self._append(self._detokenizer.decode_output(self._deferred_ids))
+        elif len(self._pending_ids) == 1 or (self._token_texts is not None
+                                             and self._token_texts.ends_on_character(self._pending_ids)):
             # One token (a streamed request's usual step), or a batch that cannot end inside a
             # character: its text is what feeding the tokens one at a time would have emitted.
             self._append(self._detokenizer.add_tokens(self._pending_ids))
