@@ -13,6 +13,7 @@ lists whatever its batch, cheap to encode, to decode and for the collector to ig
 from __future__ import annotations
 
 import itertools
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -112,12 +113,15 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         started = [i for i in rare if outputs[i].num_cached_tokens >= 0]
         with_logprobs = [i for i in rare if outputs[i].new_logprobs is not None]
         new_logprobs = [outputs[i].new_logprobs for i in with_logprobs]
-        blocks = list({id(block): block for block, _ in new_logprobs}.values())  # each once, in order
-        if len(blocks) == 1:  # a step's one block (nearly every step)
-            block_index = [0] * len(new_logprobs)
+        step_blocks = list(map(itemgetter(0), new_logprobs))
+        # A step's one block (nearly every step), found by list.count (identity first, in C): blocks
+        # that are distinct but equal would pass too, and their rows are the same.
+        if not step_blocks or step_blocks.count(step_blocks[0]) == len(step_blocks):
+            blocks, block_index = step_blocks[:1], [0] * len(step_blocks)
         else:
-            index_of = {id(block): index for index, block in enumerate(blocks)}
-            block_index = [index_of[id(block)] for block, _ in new_logprobs]
+            by_id = {id(block): block for block in step_blocks}  # each once, in order
+            index_of = {key: index for index, key in enumerate(by_id)}
+            blocks, block_index = list(by_id.values()), [index_of[id(block)] for block in step_blocks]
         return cls(request_ids=[o.request_id for o in outputs],
                    num_new_tokens=[len(o.new_token_ids) for o in outputs],
                    token_ids=[token for o in outputs for token in o.new_token_ids],
@@ -126,7 +130,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
                    started=started, num_cached_tokens=[outputs[i].num_cached_tokens for i in started],
                    first_scheduled_times=[outputs[i].first_scheduled_time for i in started],
                    with_logprobs=with_logprobs, logprobs_blocks=blocks, logprobs_block_index=block_index,
-                   logprobs_rows=[row for _, row in new_logprobs],
+                   logprobs_rows=list(map(itemgetter(1), new_logprobs)),
                    stats=stats, timestamp=timestamp)
 
     def subset(self, keep: list[int]) -> EngineCoreOutputs:

@@ -29,25 +29,51 @@ from novainfer.sample.rng import exponential_noise
 
 @dataclass
 class LogprobsTensors:
-    """Log-probabilities of the raw (unpenalized, temperature 1) distribution.
+    """Log-probabilities of the raw (unpenalized, temperature 1) distribution, held as the one int64
+    tensor that goes to the host (:meth:`pack`); the three columns are views of it, made when read.
 
     Every row has max_num_logprobs top entries; rows that asked for fewer
     should be cut to their own `logprobs` by the caller.
     """
 
-    token_ids: torch.Tensor  # [B, k + 1] int64; column 0 = sampled token, then top-k
-    logprobs: torch.Tensor  # [B, k + 1] float32, top-k part sorted descending
-    sampled_token_ranks: torch.Tensor  # [B] int64, 1 = most likely token
-    # What :meth:`pack` returns, where the three above are views of it (the top-k kernel writes it).
-    packed: torch.Tensor | None = None
+    # [B, 1 + 2 (k + 1)] int64: the sampled token's rank, the token ids (the sampled token, then
+    # the top k), then the logprobs' float32 bit patterns, sign-extended (see :meth:`unpack`).
+    packed: torch.Tensor
+
+    @classmethod
+    def of(cls, token_ids: torch.Tensor, logprobs: torch.Tensor, sampled_token_ranks: torch.Tensor) -> LogprobsTensors:
+        """From the columns: ``token_ids`` [B, k + 1] int64, ``logprobs`` [B, k + 1] float32, ``sampled_token_ranks`` [B]."""
+        value_bits = logprobs.view(torch.int32).to(torch.int64)
+        return cls(torch.cat([sampled_token_ranks.unsqueeze(1), token_ids, value_bits], dim=1))
+
+    @property
+    def width(self) -> int:
+        return (self.packed.shape[1] - 1) // 2
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """[B, k + 1] int64; column 0 = sampled token, then the top k."""
+        return self.packed[:, 1:1 + self.width]
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        """[B, k + 1] float32, the top-k part sorted descending."""
+        # Each logprob's bits are the low half of its int64 (little-endian, as CPUs and CUDA devices are).
+        return self.packed[:, 1 + self.width:].view(torch.float32)[:, ::2]
+
+    @property
+    def sampled_token_ranks(self) -> torch.Tensor:
+        """[B] int64, 1 = most likely token."""
+        return self.packed[:, 0]
+
+    @property
+    def sampled_token_ids(self) -> torch.Tensor:
+        """[B] int64: column 0 of :attr:`token_ids`."""
+        return self.packed[:, 1]
 
     def pack(self) -> torch.Tensor:
-        """One int64 [B, 1 + 2 (k + 1)] tensor, for a single copy to the host: the sampled token's
-        rank, the token ids, then the logprobs' float32 bit patterns (see :meth:`unpack`)."""
-        if self.packed is not None:
-            return self.packed
-        value_bits = self.logprobs.view(torch.int32).to(torch.int64)
-        return torch.cat([self.sampled_token_ranks.unsqueeze(1), self.token_ids, value_bits], dim=1)
+        """The int64 tensor [B, 1 + 2 (k + 1)] for a single copy to the host (see :meth:`unpack`)."""
+        return self.packed
 
     @staticmethod
     def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -208,14 +234,14 @@ def gather_logprobs(
         from novainfer.sample.topk import MAX_K, top_k_logprobs
 
         if num_logprobs <= min(MAX_K, logits.shape[-1]):
-            # Two Triton launches: the top-k pass also counts the ranks and, where not given, the lse.
-            return LogprobsTensors(*top_k_logprobs(logits, sampled, num_logprobs, lse))
+            # The top-k pass also counts the ranks and, where not given, the lse.
+            return LogprobsTensors(top_k_logprobs(logits, sampled, num_logprobs, lse))
     if lse is None:
         lse = torch.logsumexp(logits.to(torch.float32), dim=-1)
     sampled = sampled.unsqueeze(1)
     sampled_logits = logits.gather(-1, sampled).to(torch.float32)
     top_logits, top_ids = largest_logits(logits, min(num_logprobs, logits.shape[-1]))
-    return LogprobsTensors(
+    return LogprobsTensors.of(
         token_ids=torch.cat([sampled, top_ids], dim=1),
         logprobs=torch.cat([sampled_logits, top_logits], dim=1) - lse.unsqueeze(1),
         # 1 + the number of strictly larger logits: tied tokens share the best rank.
@@ -231,8 +257,8 @@ def greedy_with_logprobs(logits: torch.Tensor, num_logprobs: int) -> tuple[torch
         from novainfer.sample.topk import MAX_K, top_k_logprobs
 
         if num_logprobs <= min(MAX_K, logits.shape[-1]):
-            logprobs = LogprobsTensors(*top_k_logprobs(logits, None, num_logprobs, None))
-            return logprobs.token_ids[:, 0], logprobs
+            logprobs = LogprobsTensors(top_k_logprobs(logits, None, num_logprobs, None))
+            return logprobs.sampled_token_ids, logprobs
     sampled = logits.argmax(dim=-1)
     return sampled, gather_logprobs(logits, sampled, num_logprobs)
 

@@ -246,25 +246,21 @@ def top_k(logits: torch.Tensor, k: int, block: int = 4096) -> tuple[torch.Tensor
 
 
 def top_k_logprobs(logits: torch.Tensor, sampled: torch.Tensor | None, num_logprobs: int, lse: torch.Tensor | None,
-                   block: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprobs of ``logits`` [B, V] (any float dtype) in the same launches as :func:`top_k`:
-    token ids [B, 1 + n] int64 (column 0 the ``sampled`` token [B] int64, then the top
-    n = ``num_logprobs`` <= MAX_K as :func:`top_k` orders them), their logprobs [B, 1 + n] float32
+                   block: int = 4096) -> torch.Tensor:
+    """Logprobs of ``logits`` [B, V] (any float dtype) in the same launches as :func:`top_k`, as
+    the int64 tensor [B, 1 + 2 (1 + n)] that novainfer.sample.sampler.LogprobsTensors holds (and
+    copies to the host as it is): per row the sampled token's rank (1 + the number of strictly
+    larger logits), the token ids (the ``sampled`` token [B] int64, then the top n =
+    ``num_logprobs`` <= MAX_K as :func:`top_k` orders them), then their logprobs' float32 bits
     (logit minus the row's log-sum-exp, ``lse`` [B] float32 where given, else computed in the
-    pass), the sampled tokens' ranks [B] int64 (1 + the number of strictly larger logits), and the
-    int64 tensor [B, 1 + 2 (1 + n)] that the three are views of, laid out as
-    novainfer.sample.sampler.LogprobsTensors.pack lays them out (so that it is copied to the host
-    as it is). ``sampled`` None: each row's top entry, the argmax (a greedy step's token, whose rank
+    pass). ``sampled`` None: each row's top entry, the argmax (a greedy step's token, whose rank
     is 1), with no argmax of its own and no ranks counted."""
     batch_size, width = logits.shape[0], 1 + num_logprobs
     mode = _Logprobs(None if sampled is None else sampled.contiguous(), lse,
                      torch.empty(batch_size, 1 + 2 * width, dtype=torch.int64, device=logits.device))
     # The top entry at least: the kernels need a k >= 1; the columns past n are not written.
     _launch(logits, max(num_logprobs, 1), None, mode.packed, mode, block, stored=num_logprobs)
-    packed = mode.packed
-    # Each logprob's bits are the low half of its int64 (little-endian, as CUDA devices are).
-    logprobs = packed[:, 1 + width:].view(torch.float32)[:, ::2]
-    return packed[:, 1:1 + width], logprobs, packed[:, 0], packed
+    return mode.packed
 
 
 def _launch(logits: torch.Tensor, k: int, values: torch.Tensor | None, ids: torch.Tensor, mode: _Logprobs | None,

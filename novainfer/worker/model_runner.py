@@ -156,7 +156,7 @@ class SampledStep:
     device_num_tokens: torch.Tensor | None  # [len(states)] int64, speculative decoding (else one each)
     rows: dict[str, int]  # req_id -> row
     # The step's results on the host, from one copy: the tokens [B]; with logprobs
-    # [B, 1 + W] (W = 1 + 2 (n + 1)): the tokens, then LogprobsTensors.pack's columns; with
+    # LogprobsTensors.pack's [B, W] (W = 1 + 2 (n + 1)), whose column 1 holds the tokens; with
     # speculative decoding [B, 1 + P] (P = k + 1 positions): the number of tokens of each request,
     # then its tokens, and with logprobs P groups of W columns more, one per position.
     host_results: torch.Tensor
@@ -180,10 +180,12 @@ class SampledStep:
         batch = tokens.shape[0]
         num_positions = 1 if num_tokens is None else tokens.shape[1]
         token_rows = tokens.unsqueeze(1) if num_tokens is None else tokens
-        parts = [tokens.unsqueeze(1)] if num_tokens is None else [num_tokens.unsqueeze(1), tokens]
-        if logprobs is not None:
-            parts.append(logprobs.pack().view(batch, -1))
-        results = torch.cat(parts, dim=1) if len(parts) > 1 else tokens
+        if num_tokens is None:
+            # The packed logprobs hold the tokens already: copied as they are, without a cat.
+            results = tokens if logprobs is None else logprobs.pack()
+        else:
+            parts = [num_tokens.unsqueeze(1), tokens] + ([] if logprobs is None else [logprobs.pack().view(batch, -1)])
+            results = torch.cat(parts, dim=1)
         if num_tokens is not None:
             tokens = tokens.gather(1, (num_tokens - 1).unsqueeze(1)).squeeze(1)
         host_results = results.to("cpu", non_blocking=True)  # pinned: the copy is asynchronous
@@ -202,11 +204,10 @@ class SampledStep:
         results = self.host_results.numpy()
         if results.ndim == 1:
             return [[token] for token in results.tolist()], None
-        width = self.num_positions + self.speculative
-        if self.speculative:
-            tokens = [row[1:1 + row[0]] for row in results[:, :width].tolist()]
-        else:
-            tokens = [[token] for token in results[:, 0].tolist()]
+        if not self.speculative:  # LogprobsTensors.pack's columns
+            return [[token] for token in results[:, 1].tolist()], LogprobsTensors.unpack(results)
+        width = 1 + self.num_positions
+        tokens = [row[1:1 + row[0]] for row in results[:, :width].tolist()]
         if not self.has_logprobs:
             return tokens, None
         return tokens, LogprobsTensors.unpack(results[:, width:].reshape(len(tokens) * self.num_positions, -1))

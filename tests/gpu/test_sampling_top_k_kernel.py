@@ -100,11 +100,12 @@ def test_logprobs_mode_gives_the_sampled_and_top_logprobs_and_ranks(num_logprobs
     sampled = torch.stack([top_ids[0, 0], top_ids[1, 9], top_ids[2, 2], top_ids[3, VOCAB // 2], top_ids[4, VOCAB - 1],
                            torch.tensor(VOCAB - 1)])
     lse = torch.logsumexp(exact, dim=-1)
-    ids, logprobs, ranks, packed = top_k_logprobs(logits.to(DEVICE), sampled.to(DEVICE), num_logprobs,
-                                                  lse.to(DEVICE) if lse_given else None, block=BLOCK)
-    # The three are views of the copy the kernel writes, laid out as the torch path packs them.
-    copies = LogprobsTensors(ids.contiguous(), logprobs.contiguous(), ranks.contiguous())
-    assert torch.equal(packed, copies.pack())
+    packed = top_k_logprobs(logits.to(DEVICE), sampled.to(DEVICE), num_logprobs,
+                            lse.to(DEVICE) if lse_given else None, block=BLOCK)
+    out = LogprobsTensors(packed)
+    ids, logprobs, ranks = out.token_ids, out.logprobs, out.sampled_token_ranks
+    # The kernel lays its tensor out as the torch path packs the three columns.
+    assert torch.equal(packed, LogprobsTensors.of(ids.contiguous(), logprobs.contiguous(), ranks.contiguous()).pack())
     want_ids = torch.cat([sampled.unsqueeze(1), top_ids[:, :num_logprobs]], dim=1)
     assert ids.dtype == ranks.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert torch.equal(ids.cpu(), want_ids)
@@ -121,11 +122,12 @@ def test_greedy_logprobs_take_the_top_entry_as_the_token(num_logprobs):
     equal maxima, as ``torch.argmax``), of rank 1: what the mode gives when handed that argmax."""
     logits = rows(torch.float16, 5).to(DEVICE)
     argmax = logits.float().argmax(dim=-1)
-    given = top_k_logprobs(logits, argmax, num_logprobs, None, block=BLOCK)
-    found = top_k_logprobs(logits, None, num_logprobs, None, block=BLOCK)
-    assert torch.equal(found[0], given[0]) and torch.equal(found[2], given[2])
-    assert torch.equal(found[0][:, 0], argmax) and found[2].tolist() == [1] * logits.shape[0]
-    torch.testing.assert_close(found[1], given[1], rtol=0, atol=0)
+    given = LogprobsTensors(top_k_logprobs(logits, argmax, num_logprobs, None, block=BLOCK))
+    found = LogprobsTensors(top_k_logprobs(logits, None, num_logprobs, None, block=BLOCK))
+    assert torch.equal(found.token_ids, given.token_ids)
+    assert torch.equal(found.sampled_token_ranks, given.sampled_token_ranks)
+    assert torch.equal(found.sampled_token_ids, argmax) and found.sampled_token_ranks.tolist() == [1] * logits.shape[0]
+    torch.testing.assert_close(found.logprobs, given.logprobs, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- the sampler's CUDA path (GPU)
