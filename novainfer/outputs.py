@@ -118,10 +118,27 @@ class LogprobsWindow:
         return ids[index, :width], values[index, :width], ranks[index]
 
     def flush(self) -> None:
-        """Every waiting sequence copies its rows; the window empties."""
+        """Every waiting sequence copies its rows out, from one gather per column for all of them
+        (a gather per sequence and column cost more than the rest of the window's work); the
+        window empties."""
         waiting, self._waiting = self._waiting, []
+        pending: list[tuple[FlatLogprobs, int]] = []
+        rows: list[int] = []
         for flat in waiting:
-            flat.copy_waiting_rows()
+            if flat._waiting_rows:  # a sequence listed twice has none left the second time
+                pending.append((flat, len(flat._waiting_rows)))
+                rows += flat._waiting_rows
+                flat._waiting_rows, flat._window = [], None
+        if pending:
+            index = np.array(rows)
+            ids, values, ranks = (buffer[index] for buffer in self._buffers)
+            end = 0
+            for flat, count in pending:
+                start, end = end, end + count
+                width = min(flat._width or self._width, self._width)
+                # Copies: a view would keep every other sequence's rows of this flush alive.
+                flat._add_chunk((ids[start:end, :width].copy(), values[start:end, :width].copy(),
+                                 ranks[start:end].copy()))
         self._num_rows = self._num_blocks = 0
 
     def _grow(self, num_rows: int) -> None:
