@@ -122,20 +122,19 @@ class LogprobsWindow:
         (a gather per sequence and column cost more than the rest of the window's work); the
         window empties."""
         waiting, self._waiting = self._waiting, []
-        pending: list[tuple[FlatLogprobs, int]] = []
+        pending: list[tuple[FlatLogprobs, int, int]] = []
         rows: list[int] = []
         for flat in waiting:
             if flat._waiting_rows:  # a sequence listed twice has none left the second time
-                pending.append((flat, len(flat._waiting_rows)))
-                rows += flat._waiting_rows
-                flat._waiting_rows, flat._window = [], None
+                flat_rows, width = flat._take_waiting()
+                pending.append((flat, len(flat_rows), width))
+                rows += flat_rows
         if pending:
             index = np.array(rows)
             ids, values, ranks = (buffer[index] for buffer in self._buffers)
             end = 0
-            for flat, count in pending:
+            for flat, count, width in pending:
                 start, end = end, end + count
-                width = min(flat._width or self._width, self._width)
                 # Copies: a view would keep every other sequence's rows of this flush alive.
                 flat._add_chunk((ids[start:end, :width].copy(), values[start:end, :width].copy(),
                                  ranks[start:end].copy()))
@@ -206,10 +205,15 @@ class FlatLogprobs(Sequence):
         if self._waiting_rows:
             self._add_chunk(self._gather_waiting())
 
-    def _gather_waiting(self) -> _Chunk:
+    def _take_waiting(self) -> tuple[list[int], int]:
+        """Its rows waiting in its window and the entries it keeps of each; none wait after."""
         rows, window = self._waiting_rows, self._window
         self._waiting_rows, self._window = [], None
-        return window.gather(rows, min(self._width or window.width, window.width))
+        return rows, min(self._width or window.width, window.width)
+
+    def _gather_waiting(self) -> _Chunk:
+        window = self._window
+        return window.gather(*self._take_waiting())
 
     def _add_chunk(self, chunk: _Chunk) -> None:
         total = self._sampled_sum

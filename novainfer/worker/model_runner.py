@@ -186,7 +186,6 @@ class SampledStep:
         else:
             parts = [num_tokens.unsqueeze(1), tokens] + ([] if logprobs is None else [logprobs.pack().view(batch, -1)])
             results = torch.cat(parts, dim=1)
-        if num_tokens is not None:
             tokens = tokens.gather(1, (num_tokens - 1).unsqueeze(1)).squeeze(1)
         host_results = results.to("cpu", non_blocking=True)  # pinned: the copy is asynchronous
         copied = None
