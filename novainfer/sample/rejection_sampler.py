@@ -97,6 +97,38 @@ def greedy_verify(greedy_token_ids: torch.Tensor, draft_token_ids: torch.Tensor)
     return RejectionSamplerOutput(token_ids, num_accepted + 1, num_accepted)
 
 
+def draft_rows(proposals: torch.Tensor, proposal_rows: torch.Tensor, num_drafts: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, k] int64: request b's drafts, the first ``num_drafts[b]`` entries of row ``proposal_rows[b]``
+    of ``proposals`` [R, >= k], then -1 (which matches no token)."""
+    drafts = proposals[proposal_rows, :k]
+    return torch.where(torch.arange(k, device=drafts.device) < num_drafts.unsqueeze(1), drafts, -1)
+
+
+def greedy_verify_rows(argmax: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor, proposal_rows: torch.Tensor,
+                       num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`greedy_verify` of a step's drafts, laid out as its results travel to the host.
+    ``argmax`` [R] int64: the target's argmax at each row of the step; ``index`` [B, k + 1]: request
+    b's rows (its last known token's, then one per draft; padded by repeating the last); the drafts
+    as :func:`draft_rows` takes them. Returns ([B, 1 + (k + 1)] int64: the number of tokens each
+    request emits, then those tokens, -1 after; [B] int64: each request's last emitted token). On
+    CUDA one Triton launch (novainfer.sample.verify_ops), elsewhere these torch operations."""
+    if argmax.is_cuda:
+        from novainfer.sample.verify_ops import greedy_verify_packed
+
+        return greedy_verify_packed(argmax, index, proposals, proposal_rows, num_drafts)
+    out = greedy_verify(argmax[index], draft_rows(proposals, proposal_rows, num_drafts, index.shape[1] - 1))
+    packed = torch.cat([out.num_tokens.unsqueeze(1), out.token_ids], dim=1)
+    return packed, out.token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
+
+
+def warm_up_verification(num_speculative_tokens: int, device: torch.device) -> None:
+    """Compiles what :func:`greedy_verify_rows` launches for up to ``num_speculative_tokens`` drafts (CUDA)."""
+    if device.type == "cuda":
+        from novainfer.sample.verify_ops import warm_up
+
+        warm_up(num_speculative_tokens, device)
+
+
 def _num_accepted(accept: torch.Tensor) -> torch.Tensor:
     """[B] int64: the length of each row's leading run of accepted drafts (``accept`` [B, k])."""
     return accept.to(torch.int64).cumprod(dim=1).sum(dim=1)

@@ -33,8 +33,8 @@ from novainfer.models.compile import compile_model
 from novainfer.outputs import StepLogprobs
 from novainfer.sample import Sampler, SamplingStateTable
 from novainfer.sample.metadata import SamplingMetadata
-from novainfer.sample.rejection_sampler import (RejectionSamplerOutput, add_preceding_drafts, greedy_verify,
-                                                rejection_sample)
+from novainfer.sample.rejection_sampler import (RejectionSamplerOutput, add_preceding_drafts, draft_rows,
+                                                greedy_verify, greedy_verify_rows, rejection_sample)
 from novainfer.sample.sampler import (LogprobsTensors, apply_min_tokens, apply_penalties, exponential_draws,
                                       gather_logprobs, greedy_with_logprobs, sampling_probs)
 from novainfer.sample.state import copy_to_device
@@ -187,13 +187,28 @@ class SampledStep:
             parts = [num_tokens.unsqueeze(1), tokens] + ([] if logprobs is None else [logprobs.pack().view(batch, -1)])
             results = torch.cat(parts, dim=1)
             tokens = tokens.gather(1, (num_tokens - 1).unsqueeze(1)).squeeze(1)
+        return cls._copied(states, tokens, token_rows, num_tokens, results, logprobs is not None, num_positions,
+                           num_drafts)
+
+    @classmethod
+    def from_verified(cls, states: list[CachedRequestState], packed: torch.Tensor, last: torch.Tensor,
+                      num_drafts: list[int]) -> SampledStep:
+        """A greedy verification's step from what greedy_verify_rows returns: ``packed`` [B, 1 + P],
+        laid out as a speculative step's host results, and each request's last token ``last`` [B]."""
+        return cls._copied(states, last, packed[:, 1:], packed[:, 0], packed, False, packed.shape[1] - 1, num_drafts)
+
+    @classmethod
+    def _copied(cls, states: list[CachedRequestState], tokens: torch.Tensor, token_rows: torch.Tensor,
+                num_tokens: torch.Tensor | None, results: torch.Tensor, has_logprobs: bool, num_positions: int,
+                num_drafts: list[int] | None) -> SampledStep:
+        """The step, with the copy of ``results`` to the host queued (see :attr:`host_results`)."""
         host_results = results.to("cpu", non_blocking=True)  # pinned: the copy is asynchronous
         copied = None
         if tokens.device.type == "cuda":
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(tokens.device))
         return cls(states, tokens, token_rows, num_tokens, {s.req_id: row for row, s in enumerate(states)},
-                   host_results, logprobs is not None, copied, num_positions, num_drafts)
+                   host_results, has_logprobs, copied, num_positions, num_drafts)
 
     def wait(self) -> tuple[list[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """The tokens of each request, and the logprob arrays (token ids, logprobs, ranks) if any,
@@ -961,20 +976,24 @@ class ModelRunner:
         k = int(counts.max()) - 1
         # Request b's rows padded to k + 1 positions (the padding repeats its last row, never read).
         index_np = starts[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None] - 1)
+        # Request b's drafts: the first num_drafts[b] of row proposal_rows[b] of the proposals (the
+        # draft model's, cut to what the scheduler kept; or the host's, one row each).
         if device_drafts is None:
-            drafts_np = np.full((len(sampling), k), -1, dtype=np.int64)  # padding that matches no token
+            drafts_np = np.full((len(sampling), k), -1, dtype=np.int64)
             for b, state in enumerate(sampling):
                 drafts_np[b, :num_drafts[b]] = spec_tokens.get(state.req_id, ())
-            index, drafts, num_drafts_d = copy_to_device([index_np, drafts_np, counts - 1], self.device)
+            rows_np = np.arange(len(sampling), dtype=np.int64)
+            index, num_drafts_d, proposal_rows, proposals = copy_to_device([index_np, counts - 1, rows_np, drafts_np],
+                                                                          self.device)
         else:
-            # Each request's row of the proposals, cut to its drafts (the scheduler may have kept fewer).
             rows_np = np.fromiter((device_drafts.rows.get(s.req_id, 0) for s in sampling), np.int64, len(sampling))
             index, num_drafts_d, proposal_rows = copy_to_device([index_np, counts - 1, rows_np], self.device)
-            proposed = device_drafts.token_ids[proposal_rows, :k]
-            drafts = torch.where(torch.arange(k, device=proposed.device) < num_drafts_d[:, None], proposed, -1)
+            proposals = device_drafts.token_ids
         if plain_greedy:
-            out = greedy_verify(self._greedy_tokens(head_output)[index], drafts)
-            return SampledStep.start_copy(sampling, out.token_ids, None, out.num_tokens, num_drafts)
+            packed, last = greedy_verify_rows(self._greedy_tokens(head_output), index, proposals, proposal_rows,
+                                              num_drafts_d)
+            return SampledStep.from_verified(sampling, packed, last, num_drafts)
+        drafts = draft_rows(proposals, proposal_rows, num_drafts_d, k)
         table_rows = np.repeat(np.fromiter((s.row for s in sampling), np.int64, len(sampling)), counts)
         positions = np.repeat(np.asarray(num_outputs, dtype=np.int64) - starts, counts) + np.arange(int(counts.sum()))
         metadata = self.sampling_table.gather(table_rows, positions)

@@ -30,6 +30,7 @@ from novainfer.distributed import (
     tp_group_context,
 )
 from novainfer.sample import SamplerOutput
+from novainfer.sample.rejection_sampler import warm_up_verification
 from novainfer.worker.draft_proposer import CatchUp, DraftModelProposer
 from novainfer.worker.host_memory import keep_freed_host_memory
 from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput, SequenceInput
@@ -224,6 +225,8 @@ class Worker:
                 warmed.add(key)
                 runner.attn_backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache)
         runner.sampler.warm_up(runner.model_config.vocab_size, runner.model_config.torch_dtype, self.device)
+        if self.config.speculative_config is not None:
+            warm_up_verification(self.config.speculative_config.num_speculative_tokens, self.device)
         sched = self.config.scheduler_config
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * sched.max_model_len)
         seqs, num_blocks = self._prompt_step(num_tokens)
