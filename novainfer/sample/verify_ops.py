@@ -55,14 +55,20 @@ def greedy_verify_packed(argmax: torch.Tensor, index: torch.Tensor, proposals: t
         _launch_greedy_verify[(batch,)](
             argmax, index, index.stride(0), proposals, proposals.stride(0), proposal_rows, num_drafts, packed,
             packed.stride(0), last, num_positions,
-            POSITIONS=max(_MIN_POSITIONS, triton.next_power_of_2(num_positions)), num_warps=1)
+            POSITIONS=_compiled_positions(num_positions), num_warps=1)
     return packed, last
 
 
+def _compiled_positions(num_positions: int) -> int:
+    return max(_MIN_POSITIONS, triton.next_power_of_2(num_positions))
+
+
 def warm_up(num_speculative_tokens: int, device: torch.device) -> None:
-    """Compiles the variant that steps of up to ``num_speculative_tokens`` drafts per request launch."""
-    num_positions = num_speculative_tokens + 1
-    index = torch.zeros(1, num_positions, dtype=torch.int64, device=device)
+    """Compiles every variant that steps of up to ``num_speculative_tokens`` drafts per request launch."""
     ones = torch.ones(1, dtype=torch.int64, device=device)
-    greedy_verify_packed(torch.zeros(1, dtype=torch.int64, device=device), index,
-                         torch.zeros(1, num_speculative_tokens, dtype=torch.int64, device=device), ones - 1, ones)
+    variants = {_compiled_positions(n): n for n in range(num_speculative_tokens + 1, 0, -1)}  # the fewest positions each
+    for num_positions in variants.values():
+        index = torch.zeros(1, num_positions, dtype=torch.int64, device=device)
+        proposals = torch.zeros(1, max(num_positions - 1, 1), dtype=torch.int64, device=device)
+        greedy_verify_packed(torch.zeros(1, dtype=torch.int64, device=device), index, proposals, ones - 1,
+                             ones * min(num_positions - 1, 1))

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from novainfer.sample.rejection_sampler import greedy_verify_rows  # noqa: E402
 from novainfer.sample.verify_ops import greedy_verify_packed  # noqa: E402
-from tests.gpu.triton_env import DEVICE, MARKS  # noqa: E402
+from tests.gpu.triton_env import DEVICE, INTERPRET, MARKS  # noqa: E402
 
 pytestmark = MARKS
 
@@ -47,3 +47,18 @@ def test_the_kernel_gives_the_torch_verification(k, num_drafts, accepted, extra_
     assert want_packed[:, 0].tolist() == [a + 1 for a in accepted]  # the data cover the cases named
     packed, last = greedy_verify_packed(*(x.to(DEVICE) for x in inputs))
     assert torch.equal(packed.cpu(), want_packed) and torch.equal(last.cpu(), want_last)
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiled variants exist on a GPU only")
+def test_warm_up_compiles_what_steps_of_fewer_drafts_launch():
+    """Steps of any number of drafts up to the configured k launch no variant start-up did not compile."""
+    from novainfer.sample import verify_ops
+
+    def variants() -> set[str]:
+        return {str(key) for cache in verify_ops._greedy_verify_kernel.device_caches.values() for key in cache[0]}
+
+    verify_ops.warm_up(10, torch.device(DEVICE))
+    compiled = variants()
+    for k in range(11):
+        greedy_verify_packed(*(x.to(DEVICE) for x in _step(k, [k], [k // 2], 0, seed=k)))
+    assert variants() == compiled
