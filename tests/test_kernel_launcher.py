@@ -132,3 +132,20 @@ def test_plain_launches_when_disabled_or_hooked(launcher):
     launcher.kernel.pre_run_hooks.clear()
     launcher[(1,)](x, x, 64, 0.5, BLOCK=32)
     assert len(launcher.plain) == 4
+
+
+def test_a_bound_launch_repeats_with_new_values_of_its_variable_arguments(launcher):
+    x, out, other = torch.zeros(64), torch.zeros(64), torch.ones(64)
+    bound = launcher.bind((5, 2), (out, None), x, out, 64, 0.5, BLOCK=32, num_warps=2)
+    assert len(launcher.plain) == 1 and len(launcher.launches) == 1, "bind launches once, as a call does"
+    assert bound.args[1] is None and not any(arg is out for arg in bound.args), "the variable tensor is not kept"
+    bound.launch(99, other)
+    assert launcher.launches[-1] == (5, 2, 1, 99, "function", "metadata", None, None, None, x, other, 64, 0.5, 32)
+    assert len(launcher.plain) == 1
+
+
+def test_bind_keeps_nothing_where_launches_take_the_plain_path(launcher):
+    x = torch.zeros(64)
+    with direct_launches(False):
+        assert launcher.bind((1,), (x,), x, x, 64, 0.5, BLOCK=32) is None
+    assert len(launcher.plain) == 1

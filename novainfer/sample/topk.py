@@ -24,13 +24,14 @@ The fourth sorts each row's candidates only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from novainfer.layers.ops.launcher import KernelLauncher
+from novainfer.layers.ops.launcher import BoundLaunch, KernelLauncher, current_stream, launches_direct
 from novainfer.sample.kernel_args import stand_in
 
 # Widths the kernels are compiled for (each k is served by the smallest that holds it), so that
@@ -266,52 +267,158 @@ def top_k_logprobs(logits: torch.Tensor, sampled: torch.Tensor | None, num_logpr
 def _launch(logits: torch.Tensor, k: int, values: torch.Tensor | None, ids: torch.Tensor, mode: _Logprobs | None,
             block: int, stored: int | None = None) -> None:
     """The four launches. ``values`` and ``ids``: the top k's [B, k] outputs, or (``mode``) None and
-    the packed logprobs."""
+    the packed logprobs. On CUDA a shape seen before repeats its kept launches (:class:`_Plan`)."""
     batch_size, vocab_size = logits.shape
     if not 1 <= k <= min(MAX_K, vocab_size):
         raise ValueError(f"k must be in [1, {min(MAX_K, vocab_size)}], got {k}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    width = kernel_width(k)
-    block = max(min(block, triton.next_power_of_2(vocab_size)), width)
-    num_chunks = triton.cdiv(vocab_size, block)
-    # At least four maxima per wanted entry (and 16 groups per chunk): the threshold is then
-    # reached by few entries beyond the k largest.
-    groups = min(block, max(16, triton.next_power_of_2(triton.cdiv(4 * width, num_chunks))))
+    sampled, lse = (None, None) if mode is None else (mode.sampled, mode.lse)
+    variable = (logits, ids, values, sampled, lse)
+    if not logits.is_cuda:
+        _run(_Shape.of(logits, k, mode, block, stored), variable, None)
+        return
+    device = logits.device.index
+    stream = current_stream(device)
+    # What the kept launches' specialization depends on beyond the shape: which inputs are present
+    # and each pointer's 16-byte alignment (Triton compiles aligned pointers separately).
+    key = (device, stream, launches_direct(), batch_size, vocab_size, logits.stride(0), logits.dtype, k, stored, block,
+           *(-1 if t is None else t.data_ptr() % 16 for t in variable))
+    plan = _PLANS.get(key, _UNSEEN)
+    if plan is _UNSEEN:
+        plan = _PLANS[key] = _Plan.make(_Shape.of(logits, k, mode, block, stored), variable, (device, stream))
+    elif plan is None:
+        _run(_Shape.of(logits, k, mode, block, stored), variable, None)
+    else:
+        for launch in plan.launches:
+            launch.launch(stream, *variable)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Sizes of one call's launches."""
+
+    batch_size: int
+    vocab_size: int
+    k: int  # the entries the merge keeps (``stored``) where that differs from the k computed
+    width: int
+    block: int
+    num_chunks: int
+    groups: int
+    has_sampled: bool
+    has_lse: bool
+    logprobs: bool
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, k: int, mode: _Logprobs | None, block: int, stored: int | None) -> _Shape:
+        batch_size, vocab_size = logits.shape
+        width = kernel_width(k)
+        block = max(min(block, triton.next_power_of_2(vocab_size)), width)
+        num_chunks = triton.cdiv(vocab_size, block)
+        # At least four maxima per wanted entry (and 16 groups per chunk): the threshold is then
+        # reached by few entries beyond the k largest.
+        groups = min(block, max(16, triton.next_power_of_2(triton.cdiv(4 * width, num_chunks))))
+        return cls(batch_size, vocab_size, k if stored is None else stored, width, block, num_chunks, groups,
+                   mode is not None and mode.sampled is not None, mode is not None and mode.lse is not None,
+                   mode is not None)
+
+    def scratch(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The kernels' scratch buffers (shape, dtype): group maxima, thresholds, candidate counts,
+        candidates, then the sampled token's logit, the counts of larger logits, and the chunks'
+        maxima and sums for the log-sum-exp (the last four only where the mode reads them)."""
+        b, c = self.batch_size, self.num_chunks
+        buffers = [((b, c * self.groups), torch.int32), ((b,), torch.int32), ((b,), torch.int32),
+                   ((b, c * self.width), torch.int64)]
+        if self.has_sampled:
+            buffers += [((b,), torch.float32), ((b, c), torch.int32)]
+        if self.logprobs and not self.has_lse:
+            buffers += [((b, c), torch.float32), ((b, c), torch.float32)]
+        return buffers
+
+
+def _run(shape: _Shape, variable: tuple, scratch: list[torch.Tensor] | None,
+         bind: bool = False) -> list[BoundLaunch | None]:
+    """Launches the four kernels on ``variable`` (logits, ids, values, sampled, lse) and ``scratch``
+    (:meth:`_Shape.scratch`; None: allocated here); with ``bind``, returns the launches kept
+    (KernelLauncher.bind)."""
+    logits, ids, values, sampled, lse = variable
     device = logits.device
-    maxima = torch.empty(batch_size, num_chunks * groups, dtype=torch.int32, device=device)
-    thresholds = torch.empty(batch_size, dtype=torch.int32, device=device)
-    counts = torch.empty(batch_size, dtype=torch.int32, device=device)
-    candidates = torch.empty(batch_size, num_chunks * width, dtype=torch.int64, device=device)
+    if scratch is None:
+        scratch = [torch.empty(size, dtype=dtype, device=device) for size, dtype in shape.scratch()]
+    maxima, thresholds, counts, candidates, *rest = scratch
+    sampled_logit = greater = chunk_max = chunk_sum = None
+    if shape.has_sampled:
+        sampled_logit, greater, *rest = rest
+    if rest:
+        chunk_max, chunk_sum = rest
     # Absent inputs and outputs are never touched (their flag is off); stand-ins of the same dtypes
     # keep the kernels' signatures, so that both modes launch the same compiled variants.
-    sampled = sampled_logit = greater = lse = chunk_max = chunk_sum = None
-    if mode is not None:
-        sampled, lse = mode.sampled, mode.lse
-        if sampled is not None:
-            sampled_logit = torch.empty(batch_size, dtype=torch.float32, device=device)
-            greater = torch.empty(batch_size, num_chunks, dtype=torch.int32, device=device)
-        if lse is None:
-            chunk_max = torch.empty(batch_size, num_chunks, dtype=torch.float32, device=device)
-            chunk_sum = torch.empty_like(chunk_max)
     sampled_or_stand_in = stand_in(sampled, torch.int64, device)
     float32s = [stand_in(t, torch.float32, device) for t in (sampled_logit, lse, chunk_max, chunk_sum)]
     greater = stand_in(greater, torch.int32, device)
-    use_sampled, use_lse = int(sampled is not None), int(chunk_max is not None)
-    _launch_group_maxima[(batch_size, num_chunks)](
-        logits, logits.stride(0), vocab_size, num_chunks, maxima, counts,
-        use_sampled, sampled_or_stand_in, float32s[0], greater, use_lse, float32s[2], float32s[3],
-        BLOCK=block, GROUPS=groups, num_warps=8)
-    _launch_row_thresholds[(batch_size,)](maxima, maxima.shape[1], thresholds,
-                                          MAXIMA=triton.next_power_of_2(maxima.shape[1]), K=width, num_warps=8)
-    _launch_collect_candidates[(batch_size, num_chunks)](
-        logits, logits.stride(0), vocab_size, thresholds, counts, candidates, candidates.shape[1],
-        BLOCK=block, K=width, num_warps=8)
-    slots = triton.next_power_of_2(candidates.shape[1])
-    _launch_top_k_merge[(batch_size,)](
-        candidates, counts, candidates.shape[1], k if stored is None else stored,
-        stand_in(values, torch.float32, device), ids, ids.stride(0),
-        int(mode is not None), int(mode is not None and sampled is None), num_chunks, sampled_or_stand_in,
-        float32s[0], greater, int(lse is not None), float32s[1], float32s[2], float32s[3],
-        SLOTS=slots, FEW=min(4 * width, slots), K=width, CHUNKS=triton.next_power_of_2(num_chunks),
-        num_warps=8)
+    use_lse = int(chunk_max is not None)
+    batch_size, num_chunks, width = shape.batch_size, shape.num_chunks, shape.width
+    launches = [
+        (_launch_group_maxima, (batch_size, num_chunks),
+         (logits, logits.stride(0), shape.vocab_size, num_chunks, maxima, counts,
+          int(shape.has_sampled), sampled_or_stand_in, float32s[0], greater, use_lse, float32s[2], float32s[3]),
+         dict(BLOCK=shape.block, GROUPS=shape.groups, num_warps=8)),
+        (_launch_row_thresholds, (batch_size,), (maxima, maxima.shape[1], thresholds),
+         dict(MAXIMA=triton.next_power_of_2(maxima.shape[1]), K=width, num_warps=8)),
+        (_launch_collect_candidates, (batch_size, num_chunks),
+         (logits, logits.stride(0), shape.vocab_size, thresholds, counts, candidates, candidates.shape[1]),
+         dict(BLOCK=shape.block, K=width, num_warps=8)),
+        (_launch_top_k_merge, (batch_size,),
+         (candidates, counts, candidates.shape[1], shape.k, stand_in(values, torch.float32, device), ids,
+          ids.stride(0), int(shape.logprobs), int(shape.logprobs and not shape.has_sampled), num_chunks,
+          sampled_or_stand_in, float32s[0], greater, int(shape.has_lse), float32s[1], float32s[2], float32s[3]),
+         dict(SLOTS=triton.next_power_of_2(candidates.shape[1]), FEW=min(4 * width, triton.next_power_of_2(
+             candidates.shape[1])), K=width, CHUNKS=triton.next_power_of_2(num_chunks), num_warps=8)),
+    ]
+    if not bind:
+        for launcher, grid, args, kwargs in launches:
+            launcher[grid](*args, **kwargs)
+        return []
+    return [launcher.bind(grid, variable, *args, **kwargs) for launcher, grid, args, kwargs in launches]
+
+
+_UNSEEN = object()
+
+
+@dataclass
+class _Plan:
+    """One shape's four launches kept (KernelLauncher.bind), their scratch carved from the arena of
+    their device and stream: a step's host work is then four binary launches, with no binding,
+    size arithmetic or allocation. The scratch is shared by every plan of that stream, whose
+    launches never overlap, so keeping a plan per batch size costs no device memory of its own."""
+
+    launches: list[BoundLaunch]
+
+    @classmethod
+    def make(cls, shape: _Shape, variable: tuple, stream_key: tuple[int, int]) -> _Plan | None:
+        """Launches this first call and keeps its launches; None where they take the plain path."""
+        scratch = _carve(shape.scratch(), variable[0].device, stream_key)
+        launches = _run(shape, variable, scratch, bind=True)
+        return None if None in launches else cls(launches)
+
+
+_PLANS: dict[tuple, _Plan | None] = {}
+_ARENAS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _carve(buffers: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
+           stream_key: tuple[int, int]) -> list[torch.Tensor]:
+    """Views of the stream's arena for ``buffers`` (each at a 256-byte boundary). An arena too small
+    is replaced by one of at least twice its size, and the plans carved from it are dropped."""
+    sizes = [256 * triton.cdiv(math.prod(shape) * dtype.itemsize, 256) for shape, dtype in buffers]
+    arena = _ARENAS.get(stream_key)
+    if arena is None or arena.numel() < sum(sizes):
+        for key in [key for key in _PLANS if key[:2] == stream_key]:
+            del _PLANS[key]
+        arena = _ARENAS[stream_key] = torch.empty(max(sum(sizes), 0 if arena is None else 2 * arena.numel()),
+                                                  dtype=torch.uint8, device=device)
+    views, offset = [], 0
+    for (shape, dtype), size in zip(buffers, sizes):
+        views.append(arena[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+        offset += size
+    return views

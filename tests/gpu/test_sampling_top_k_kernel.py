@@ -80,6 +80,43 @@ def test_rows_with_a_stride():
     assert torch.equal(ids.cpu(), expected(wide, 7)[1])
 
 
+def test_a_shape_seen_before_repeats_its_launches_on_other_tensors():
+    """On CUDA a repeated shape replays its kept launches (topk._Plan) with the new call's tensors:
+    other values, a pointer off 16-byte alignment (another specialization, so another plan), a
+    larger batch (its scratch replaces the arena the first plans were carved from) and then the
+    first shape again; the same for logprobs given a sampled token and a log-sum-exp. A kept
+    launch holds none of the tensors of the call that made it."""
+    import gc
+    import weakref
+
+    calls = [(rows(torch.float32, 11), False), (rows(torch.float32, 12), False), (rows(torch.float32, 13), True),
+             (torch.cat([rows(torch.float32, 14), rows(torch.float32, 15)]), False), (rows(torch.float32, 16), False)]
+    for logits, off_alignment in calls:
+        on_device = _off_alignment(logits) if off_alignment else logits.to(DEVICE)
+        values, ids = top_k(on_device, 5, block=BLOCK)
+        want_values, want_ids = expected(logits, 5)
+        assert torch.equal(ids.cpu(), want_ids) and torch.equal(values.cpu(), want_values)
+        sampled = want_ids[:, 3].contiguous()
+        lse = torch.logsumexp(logits, dim=-1)
+        out = LogprobsTensors(top_k_logprobs(on_device, sampled.to(DEVICE), 2, lse.to(DEVICE), block=BLOCK))
+        assert torch.equal(out.token_ids.cpu(), torch.cat([sampled.unsqueeze(1), want_ids[:, :2]], dim=1))
+        want_ranks = (logits > logits.gather(1, sampled.unsqueeze(1))).sum(dim=-1) + 1
+        assert out.sampled_token_ranks.tolist() == want_ranks.tolist()
+    first = rows(torch.float32, 17).to(DEVICE)
+    gone = weakref.ref(first)
+    top_k(first, 7, block=BLOCK)
+    del first
+    gc.collect()
+    assert gone() is None, "a kept launch must not keep its first call's logits alive"
+
+
+def _off_alignment(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` on the device, its data starting one element past a 16-byte boundary."""
+    flat = torch.empty(logits.numel() + 1, dtype=logits.dtype, device=DEVICE)[1:]
+    assert flat.data_ptr() % 16
+    return flat.view(logits.shape).copy_(logits)
+
+
 @pytest.mark.parametrize("k", [0, MAX_K + 1])
 def test_k_out_of_range_raises(k):
     with pytest.raises(ValueError, match="k must be in"):

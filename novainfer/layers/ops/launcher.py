@@ -18,6 +18,12 @@ take the plain path always.
 
 What the direct path skips is assumed fixed for the life of the process: Triton's debug and
 instrumentation knobs, and the kernel's globals.
+
+:meth:`KernelLauncher.bind` goes one step further for a caller that launches the same shapes
+again and again: it keeps one launch (binary, grid, every argument) as a :class:`BoundLaunch`, which
+repeats it with new values for the arguments named variable, with no binding at all. The caller
+owns the specialization then: the key under which it keeps a bound launch must hold what Triton
+would specialize on (dtypes, pointer alignment, integer values).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from triton import knobs
@@ -46,6 +53,16 @@ def direct_launches(enabled: bool) -> Iterator[None]:
         _direct = previous
 
 
+def launches_direct() -> bool:
+    """Whether launches go to kept binaries (see :func:`direct_launches`)."""
+    return _direct
+
+
+def current_stream(device: int) -> int:
+    """The handle of CUDA device ``device``'s current stream, as Triton's launches read it."""
+    return _device_and_stream()[1](device)
+
+
 @functools.cache
 def _device_and_stream() -> tuple[Callable[[], int], Callable[[int], int]]:
     """The active driver's current-device and current-stream functions (what ``JITFunction.run`` uses)."""
@@ -58,6 +75,26 @@ def _launch_hooked() -> bool:
     runtime = knobs.runtime
     return any(hook is not None and getattr(hook, "calls", True)
                for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+@dataclass
+class BoundLaunch:
+    """One launch of a compiled binary kept by :meth:`KernelLauncher.bind`: its grid and arguments,
+    with the variable ones' places (``slots``, one tuple of positions per variable) emptied."""
+
+    binary: Any
+    grid: tuple[int, int, int]
+    args: list[Any]
+    slots: tuple[tuple[int, ...], ...]
+
+    def launch(self, stream: int, *values: Any) -> None:
+        """Launches on ``stream`` with ``values`` for the variable arguments, in their order."""
+        args = self.args.copy()
+        for positions, value in zip(self.slots, values):
+            for position in positions:
+                args[position] = value
+        binary = self.binary
+        binary.run(*self.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args)
 
 
 class KernelLauncher:
@@ -88,6 +125,30 @@ class KernelLauncher:
         binary.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                    current_stream(device), binary.function, binary.packed_metadata, None, None, None,
                    *bound.values())
+
+    def bind(self, grid: Sequence[int], variable: Sequence[Any], *args: Any, **kwargs: Any) -> BoundLaunch | None:
+        """Launches as ``self[grid](*args, **kwargs)``, and returns that launch kept for repeating with
+        new values of the ``variable`` arguments (objects among ``args``: each of their occurrences
+        is replaced; a None variable stands for nothing); None where launches take the plain path
+        (see the module's docstring), which the caller then keeps taking. A kept launch passes no
+        launch hook: one installed later does not see it."""
+        self.launch(grid, *args, **kwargs)
+        if not (_direct and self._compiled) or self.kernel.pre_run_hooks or _launch_hooked():
+            return None
+        current_device, _ = _device_and_stream()
+        device = current_device()
+        bound, specialization, options = self.kernel.device_caches[device][-1](*args, **kwargs)
+        binary = self._binaries.get((device, *specialization, *options.items()))
+        if binary is None:
+            return None
+        values = list(bound.values())
+        slots = tuple(() if var is None else tuple(i for i, value in enumerate(values) if value is var)
+                      for var in variable)
+        for positions in slots:  # the kept launch must not keep the first call's tensors alive
+            for position in positions:
+                values[position] = None
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        return BoundLaunch(binary, grid3, values, slots)
 
     def _first_launch(self, key: tuple, grid: Sequence[int], args: tuple, kwargs: dict[str, Any]) -> None:
         binary = self.kernel[grid](*args, **kwargs)
