@@ -149,3 +149,9 @@ def test_bind_keeps_nothing_where_launches_take_the_plain_path(launcher):
     with direct_launches(False):
         assert launcher.bind((1,), (x,), x, x, 64, 0.5, BLOCK=32) is None
     assert len(launcher.plain) == 1
+
+
+def test_bind_refuses_one_tensor_standing_for_two_variables(launcher):
+    x = torch.zeros(64)
+    with pytest.raises(ValueError, match="distinct"):
+        launcher.bind((1,), (x, x), x, x, 64, 0.5, BLOCK=32)

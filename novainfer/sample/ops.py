@@ -24,11 +24,14 @@ top-p and min-p, in one launch where the torch stages take about twenty small on
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from novainfer.layers.ops.launcher import KernelLauncher
+from novainfer.layers.ops.launcher import KernelLauncher, Launch, LaunchPlans, ScratchSpec
 from novainfer.sample import rng, topk
 from novainfer.sample.kernel_args import stand_in
 from novainfer.sample.metadata import SamplingMetadata
@@ -188,12 +191,39 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     with ``table_rows`` ([B] int64), tables whose row ``table_rows[b]`` is row b's; ``record``
     (tables only) adds the tokens to them."""
     batch_size, vocab_size = logits.shape
-    num_chunks = triton.cdiv(vocab_size, block)
     device = logits.device
-    best_score = torch.empty(batch_size, num_chunks, dtype=torch.float32, device=device)
-    best_token = torch.empty(batch_size, num_chunks, dtype=torch.int64, device=device)
-    chunk_max = torch.empty_like(best_score) if with_lse else best_score
-    chunk_sum = torch.empty_like(best_score) if with_lse else best_score
+    tokens = torch.empty(batch_size, dtype=torch.int64, device=device)
+    lse = torch.empty(batch_size, dtype=torch.float32, device=device) if with_lse else None
+    variable = (logits, temperature, greedy, keys, stop, seen, repetition, counts, frequency, presence, table_rows,
+                tokens, lse)
+
+    def build() -> tuple[ScratchSpec, Callable[[list[torch.Tensor]], list[Launch]]]:
+        num_chunks = triton.cdiv(vocab_size, block)
+        scratch = [((batch_size, num_chunks), dtype)
+                   for dtype in (torch.float32, torch.int64) + ((torch.float32,) * 2 if with_lse else ())]
+        return scratch, functools.partial(_draw_launches, variable, num_chunks, block, record)
+
+    # The rows' strides are arguments of the launches, so part of what a kept plan depends on.
+    strides = tuple(None if t is None else t.stride(0)
+                    for t in (logits, temperature, stop, seen, repetition, counts, frequency, presence))
+    _DRAW_PLANS.launch(device, (batch_size, vocab_size, logits.dtype, block, with_lse, record, *strides), variable,
+                       build)
+    return tokens, lse
+
+
+_DRAW_PLANS = LaunchPlans()
+
+
+def _draw_launches(variable: tuple, num_chunks: int, block: int, record: bool,
+                   scratch: list[torch.Tensor]) -> list[Launch]:
+    """:func:`_draw`'s two launches: each chunk's best score and token (and its maximum and sum for
+    the log-sum-exp), then each row's token from its chunks'."""
+    (logits, temperature, greedy, keys, stop, seen, repetition, counts, frequency, presence, table_rows,
+     tokens, lse) = variable
+    batch_size, vocab_size = logits.shape
+    device = logits.device
+    best_score, best_token, *lse_parts = scratch
+    chunk_max, chunk_sum = lse_parts or (best_score, best_score)
     # Absent tables are never read (their flag is off); stand-ins of the same dtypes keep the
     # kernel's signature, so that absent and present stages launch the same compiled variant.
     stop_table = stand_in(stop, torch.uint8, device)
@@ -202,7 +232,8 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     frequency_values = stand_in(frequency, torch.float32, device)
     presence_values = stand_in(presence, torch.float32, device)
     rows = stand_in(table_rows, torch.int64, device)
-    _launch_draw[(batch_size, num_chunks)](
+    with_lse = lse is not None
+    draw = (_launch_draw, (batch_size, num_chunks), (
         logits, logits.stride(0), vocab_size, num_chunks, temperature, temperature.stride(0), greedy,
         stand_in(keys, torch.int64, device),
         int(stop is not None), stop_table, stop_table.stride(0),
@@ -210,17 +241,15 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
         int(frequency is not None), frequency_values, frequency_values.stride(0),
         int(presence is not None), presence_values, presence_values.stride(0), counts_table, counts_table.stride(0),
         int(table_rows is not None), rows,
-        best_score, best_token, chunk_max, chunk_sum,
-        BLOCK=block, NOISE=keys is not None, LSE=with_lse,
+        best_score, best_token, chunk_max, chunk_sum),
         # No fused multiply-adds, so that penalized logits round as torch's separate operations do.
-        enable_fp_fusion=False, num_warps=8)
-    tokens = torch.empty(batch_size, dtype=torch.int64, device=device)
-    lse = torch.empty(batch_size, dtype=torch.float32, device=device) if with_lse else best_score
-    _launch_combine_chunks[(batch_size,)](best_score, best_token, chunk_max, chunk_sum, num_chunks, tokens, lse,
-                                          int(record and seen is not None), seen_table, seen_table.stride(0),
-                                          int(record and counts is not None), counts_table, counts_table.stride(0),
-                                          rows, CHUNKS=triton.next_power_of_2(num_chunks), LSE=with_lse)
-    return tokens, lse if with_lse else None
+        dict(BLOCK=block, NOISE=keys is not None, LSE=with_lse, enable_fp_fusion=False, num_warps=8))
+    combine = (_launch_combine_chunks, (batch_size,), (
+        best_score, best_token, chunk_max, chunk_sum, num_chunks, tokens, lse if with_lse else best_score,
+        int(record and seen is not None), seen_table, seen_table.stride(0),
+        int(record and counts is not None), counts_table, counts_table.stride(0), rows),
+        dict(CHUNKS=triton.next_power_of_2(num_chunks), LSE=with_lse))
+    return [draw, combine]
 
 
 @triton.jit

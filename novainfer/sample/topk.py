@@ -24,14 +24,15 @@ The fourth sorts each row's candidates only.
 
 from __future__ import annotations
 
-import math
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from novainfer.layers.ops.launcher import BoundLaunch, KernelLauncher, current_stream, launches_direct
+from novainfer.layers.ops.launcher import KernelLauncher, Launch, LaunchPlans, ScratchSpec
 from novainfer.sample.kernel_args import stand_in
 
 # Widths the kernels are compiled for (each k is served by the smallest that holds it), so that
@@ -267,7 +268,7 @@ def top_k_logprobs(logits: torch.Tensor, sampled: torch.Tensor | None, num_logpr
 def _launch(logits: torch.Tensor, k: int, values: torch.Tensor | None, ids: torch.Tensor, mode: _Logprobs | None,
             block: int, stored: int | None = None) -> None:
     """The four launches. ``values`` and ``ids``: the top k's [B, k] outputs, or (``mode``) None and
-    the packed logprobs. On CUDA a shape seen before repeats its kept launches (:class:`_Plan`)."""
+    the packed logprobs. A shape seen before repeats its kept launches (LaunchPlans)."""
     batch_size, vocab_size = logits.shape
     if not 1 <= k <= min(MAX_K, vocab_size):
         raise ValueError(f"k must be in [1, {min(MAX_K, vocab_size)}], got {k}")
@@ -275,23 +276,16 @@ def _launch(logits: torch.Tensor, k: int, values: torch.Tensor | None, ids: torc
         logits = logits.contiguous()
     sampled, lse = (None, None) if mode is None else (mode.sampled, mode.lse)
     variable = (logits, ids, values, sampled, lse)
-    if not logits.is_cuda:
-        _run(_Shape.of(logits, k, mode, block, stored), variable, None)
-        return
-    device = logits.device.index
-    stream = current_stream(device)
-    # What the kept launches' specialization depends on beyond the shape: which inputs are present
-    # and each pointer's 16-byte alignment (Triton compiles aligned pointers separately).
-    key = (device, stream, launches_direct(), batch_size, vocab_size, logits.stride(0), logits.dtype, k, stored, block,
-           *(-1 if t is None else t.data_ptr() % 16 for t in variable))
-    plan = _PLANS.get(key, _UNSEEN)
-    if plan is _UNSEEN:
-        plan = _PLANS[key] = _Plan.make(_Shape.of(logits, k, mode, block, stored), variable, (device, stream))
-    elif plan is None:
-        _run(_Shape.of(logits, k, mode, block, stored), variable, None)
-    else:
-        for launch in plan.launches:
-            launch.launch(stream, *variable)
+
+    def build() -> tuple[ScratchSpec, Callable[[list[torch.Tensor]], list[Launch]]]:
+        shape = _Shape.of(logits, k, mode, block, stored)
+        return shape.scratch(), functools.partial(_launches, shape, variable)
+
+    key = (batch_size, vocab_size, logits.stride(0), logits.dtype, k, stored, block, mode is None)
+    _PLANS.launch(logits.device, key, variable, build)
+
+
+_PLANS = LaunchPlans()
 
 
 @dataclass(frozen=True)
@@ -322,10 +316,10 @@ class _Shape:
                    mode is not None and mode.sampled is not None, mode is not None and mode.lse is not None,
                    mode is not None)
 
-    def scratch(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """The kernels' scratch buffers (shape, dtype): group maxima, thresholds, candidate counts,
-        candidates, then the sampled token's logit, the counts of larger logits, and the chunks'
-        maxima and sums for the log-sum-exp (the last four only where the mode reads them)."""
+    def scratch(self) -> ScratchSpec:
+        """The kernels' scratch buffers: group maxima, thresholds, candidate counts, candidates, then
+        the sampled token's logit and the counts of larger logits, then the chunks' maxima and sums
+        for the log-sum-exp (each of the last two pairs only where the mode reads it)."""
         b, c = self.batch_size, self.num_chunks
         buffers = [((b, c * self.groups), torch.int32), ((b,), torch.int32), ((b,), torch.int32),
                    ((b, c * self.width), torch.int64)]
@@ -336,15 +330,11 @@ class _Shape:
         return buffers
 
 
-def _run(shape: _Shape, variable: tuple, scratch: list[torch.Tensor] | None,
-         bind: bool = False) -> list[BoundLaunch | None]:
-    """Launches the four kernels on ``variable`` (logits, ids, values, sampled, lse) and ``scratch``
-    (:meth:`_Shape.scratch`; None: allocated here); with ``bind``, returns the launches kept
-    (KernelLauncher.bind)."""
+def _launches(shape: _Shape, variable: tuple, scratch: list[torch.Tensor]) -> list[Launch]:
+    """The four launches on ``variable`` (logits, ids, values, sampled, lse) and ``scratch``
+    (:meth:`_Shape.scratch`)."""
     logits, ids, values, sampled, lse = variable
     device = logits.device
-    if scratch is None:
-        scratch = [torch.empty(size, dtype=dtype, device=device) for size, dtype in shape.scratch()]
     maxima, thresholds, counts, candidates, *rest = scratch
     sampled_logit = greater = chunk_max = chunk_sum = None
     if shape.has_sampled:
@@ -356,12 +346,12 @@ def _run(shape: _Shape, variable: tuple, scratch: list[torch.Tensor] | None,
     sampled_or_stand_in = stand_in(sampled, torch.int64, device)
     float32s = [stand_in(t, torch.float32, device) for t in (sampled_logit, lse, chunk_max, chunk_sum)]
     greater = stand_in(greater, torch.int32, device)
-    use_lse = int(chunk_max is not None)
     batch_size, num_chunks, width = shape.batch_size, shape.num_chunks, shape.width
-    launches = [
+    slots = triton.next_power_of_2(candidates.shape[1])
+    return [
         (_launch_group_maxima, (batch_size, num_chunks),
-         (logits, logits.stride(0), shape.vocab_size, num_chunks, maxima, counts,
-          int(shape.has_sampled), sampled_or_stand_in, float32s[0], greater, use_lse, float32s[2], float32s[3]),
+         (logits, logits.stride(0), shape.vocab_size, num_chunks, maxima, counts, int(shape.has_sampled),
+          sampled_or_stand_in, float32s[0], greater, int(chunk_max is not None), float32s[2], float32s[3]),
          dict(BLOCK=shape.block, GROUPS=shape.groups, num_warps=8)),
         (_launch_row_thresholds, (batch_size,), (maxima, maxima.shape[1], thresholds),
          dict(MAXIMA=triton.next_power_of_2(maxima.shape[1]), K=width, num_warps=8)),
@@ -372,53 +362,6 @@ def _run(shape: _Shape, variable: tuple, scratch: list[torch.Tensor] | None,
          (candidates, counts, candidates.shape[1], shape.k, stand_in(values, torch.float32, device), ids,
           ids.stride(0), int(shape.logprobs), int(shape.logprobs and not shape.has_sampled), num_chunks,
           sampled_or_stand_in, float32s[0], greater, int(shape.has_lse), float32s[1], float32s[2], float32s[3]),
-         dict(SLOTS=triton.next_power_of_2(candidates.shape[1]), FEW=min(4 * width, triton.next_power_of_2(
-             candidates.shape[1])), K=width, CHUNKS=triton.next_power_of_2(num_chunks), num_warps=8)),
+         dict(SLOTS=slots, FEW=min(4 * width, slots), K=width, CHUNKS=triton.next_power_of_2(num_chunks),
+              num_warps=8)),
     ]
-    if not bind:
-        for launcher, grid, args, kwargs in launches:
-            launcher[grid](*args, **kwargs)
-        return []
-    return [launcher.bind(grid, variable, *args, **kwargs) for launcher, grid, args, kwargs in launches]
-
-
-_UNSEEN = object()
-
-
-@dataclass
-class _Plan:
-    """One shape's four launches kept (KernelLauncher.bind), their scratch carved from the arena of
-    their device and stream: a step's host work is then four binary launches, with no binding,
-    size arithmetic or allocation. The scratch is shared by every plan of that stream, whose
-    launches never overlap, so keeping a plan per batch size costs no device memory of its own."""
-
-    launches: list[BoundLaunch]
-
-    @classmethod
-    def make(cls, shape: _Shape, variable: tuple, stream_key: tuple[int, int]) -> _Plan | None:
-        """Launches this first call and keeps its launches; None where they take the plain path."""
-        scratch = _carve(shape.scratch(), variable[0].device, stream_key)
-        launches = _run(shape, variable, scratch, bind=True)
-        return None if None in launches else cls(launches)
-
-
-_PLANS: dict[tuple, _Plan | None] = {}
-_ARENAS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _carve(buffers: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
-           stream_key: tuple[int, int]) -> list[torch.Tensor]:
-    """Views of the stream's arena for ``buffers`` (each at a 256-byte boundary). An arena too small
-    is replaced by one of at least twice its size, and the plans carved from it are dropped."""
-    sizes = [256 * triton.cdiv(math.prod(shape) * dtype.itemsize, 256) for shape, dtype in buffers]
-    arena = _ARENAS.get(stream_key)
-    if arena is None or arena.numel() < sum(sizes):
-        for key in [key for key in _PLANS if key[:2] == stream_key]:
-            del _PLANS[key]
-        arena = _ARENAS[stream_key] = torch.empty(max(sum(sizes), 0 if arena is None else 2 * arena.numel()),
-                                                  dtype=torch.uint8, device=device)
-    views, offset = [], 0
-    for (shape, dtype), size in zip(buffers, sizes):
-        views.append(arena[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
-        offset += size
-    return views

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("triton")
 
 from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
-from novainfer.sample.ops import draw_candidates, draw_nucleus, draw_whole_vocabulary  # noqa: E402
+from novainfer.sample.ops import draw_candidates, draw_nucleus, draw_whole_vocabulary, warm_up_draw  # noqa: E402
 from novainfer.sample.rng import exponential_noise_torch  # noqa: E402
 from novainfer.sample.state import SamplingStateTable  # noqa: E402
 from novainfer.sample.sampler import (  # noqa: E402
@@ -148,6 +148,22 @@ def test_all_greedy_rows_need_no_keys():
     metadata = SamplingMetadata.from_requests(greedy, [[]] * len(greedy), [[]] * len(greedy), DEVICE, VOCAB)
     tokens, _, _ = draw_whole_vocabulary(logits.to(DEVICE), metadata, None, with_lse=False, block=BLOCK)
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_a_draw_after_the_warm_up_reads_each_per_row_value_from_its_own_tensor():
+    """The warm-up passes one tensor as both temperature and repetition penalty, for one row; later
+    one-row draws must still read each from its own tensor (a launch kept from the warm-up's call
+    could not tell them apart). Two close logits, temperature 0.05 against a penalty of 8 (which a
+    confused draw would take as the temperature), twenty noise keys: each token the torch path's."""
+    warm_up_draw(torch.zeros(1, VOCAB, device=DEVICE))
+    logits = torch.full((1, VOCAB), -30.0)
+    logits[0, 10], logits[0, 20] = 3.0, 2.9
+    params = [SamplingParams(temperature=0.05, repetition_penalty=8.0)]
+    metadata = SamplingMetadata.from_requests(params, [[]], [[]], DEVICE, VOCAB)
+    for seed in range(20):
+        keys = torch.randint(0, 2**32, (1,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        tokens, _, _ = draw_whole_vocabulary(logits.to(DEVICE), metadata, keys, with_lse=False, block=BLOCK)
+        assert tokens.tolist() == torch_draw(logits.to(DEVICE), metadata, keys).tolist()
 
 
 CANDIDATE_PARAMS = [

@@ -23,17 +23,20 @@ instrumentation knobs, and the kernel's globals.
 again and again: it keeps one launch (binary, grid, every argument) as a :class:`BoundLaunch`, which
 repeats it with new values for the arguments named variable, with no binding at all. The caller
 owns the specialization then: the key under which it keeps a bound launch must hold what Triton
-would specialize on (dtypes, pointer alignment, integer values).
+would specialize on (dtypes, pointer alignment, integer values). :class:`LaunchPlans` keeps a
+sequence of such launches per key, with its scratch buffers.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
@@ -51,11 +54,6 @@ def direct_launches(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _direct = previous
-
-
-def launches_direct() -> bool:
-    """Whether launches go to kept binaries (see :func:`direct_launches`)."""
-    return _direct
 
 
 def current_stream(device: int) -> int:
@@ -132,6 +130,9 @@ class KernelLauncher:
         is replaced; a None variable stands for nothing); None where launches take the plain path
         (see the module's docstring), which the caller then keeps taking. A kept launch passes no
         launch hook: one installed later does not see it."""
+        if not _distinct(variable):
+            raise ValueError("variable arguments must be distinct objects: one that stands for two could not "
+                             "take two values")
         self.launch(grid, *args, **kwargs)
         if not (_direct and self._compiled) or self.kernel.pre_run_hooks or _launch_hooked():
             return None
@@ -156,3 +157,79 @@ class KernelLauncher:
             binary = binary.result()
         if binary is not None:  # None: a cache hook stopped the launch; nothing to keep
             self._binaries[key] = binary
+
+
+# A launch as a call writes it: (launcher, grid, args, kwargs).
+Launch = tuple[KernelLauncher, Sequence[int], Sequence[Any], dict[str, Any]]
+# Scratch buffers a sequence of launches needs: (shape, dtype) each.
+ScratchSpec = list[tuple[tuple[int, ...], torch.dtype]]
+# What :meth:`LaunchPlans.launch` asks for a key it has not seen: the scratch, and the launches on it.
+PlanBuilder = Callable[[], tuple[ScratchSpec, Callable[[list[torch.Tensor]], list[Launch]]]]
+
+
+class LaunchPlans:
+    """Kernel sequences kept per call shape (:meth:`KernelLauncher.bind`): a repeated call is its
+    binaries' launches, with no argument binding, size arithmetic or scratch allocation.
+
+    The caller names each call's ``variable`` tensors (inputs and outputs that change from call to
+    call; None for an absent one) and a key that holds everything else its launches' arguments
+    depend on (sizes, strides, dtypes, flags); the plan's key adds the device, the current stream,
+    whether direct launches are on, and each variable pointer's 16-byte alignment (which Triton
+    specializes on). Scratch buffers are carved from one arena per device and stream: launches on
+    one stream never overlap, so a plan per batch size holds no memory of its own. A call off CUDA or
+    under stream capture, or whose launches take the plain path, launches through its launchers
+    with scratch of its own.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, list[BoundLaunch] | None] = {}
+        self._arenas: dict[tuple[int, int], torch.Tensor] = {}
+
+    def launch(self, device: torch.device, key: tuple, variable: Sequence[torch.Tensor | None],
+               build: PlanBuilder) -> None:
+        # Under stream capture a plan's scratch would go into a graph that outlives the arena it came from.
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            self._plain(device, build)
+            return
+        stream_key = (device.index, current_stream(device.index))
+        full_key = (*stream_key, _direct, *key, *(-1 if t is None else t.data_ptr() % 16 for t in variable))
+        plan = self._plans.get(full_key, self)  # self: not seen
+        if plan is self and _distinct(variable):
+            scratch, make_launches = build()
+            bound = [launcher.bind(grid, variable, *args, **kwargs)
+                     for launcher, grid, args, kwargs in make_launches(self._carve(scratch, device, stream_key))]
+            self._plans[full_key] = None if None in bound else bound
+        elif plan is None or plan is self:  # self: a call passing one tensor as two variables keeps nothing
+            self._plain(device, build)
+        else:
+            stream = stream_key[1]
+            for bound_launch in plan:
+                bound_launch.launch(stream, *variable)
+
+    @staticmethod
+    def _plain(device: torch.device, build: PlanBuilder) -> None:
+        scratch, make_launches = build()
+        for launcher, grid, args, kwargs in make_launches([torch.empty(shape, dtype=dtype, device=device)
+                                                           for shape, dtype in scratch]):
+            launcher[grid](*args, **kwargs)
+
+    def _carve(self, buffers: ScratchSpec, device: torch.device, stream_key: tuple[int, int]) -> list[torch.Tensor]:
+        """Views of the stream's arena for ``buffers`` (each at a 256-byte boundary). An arena too
+        small is replaced by one of at least twice its size, and the plans carved from it are dropped."""
+        sizes = [-(-math.prod(shape) * dtype.itemsize // 256) * 256 for shape, dtype in buffers]
+        arena = self._arenas.get(stream_key)
+        if arena is None or arena.numel() < sum(sizes):
+            for key in [key for key in self._plans if key[:2] == stream_key]:
+                del self._plans[key]
+            arena = self._arenas[stream_key] = torch.empty(
+                max(sum(sizes), 0 if arena is None else 2 * arena.numel()), dtype=torch.uint8, device=device)
+        views, offset = [], 0
+        for (shape, dtype), size in zip(buffers, sizes):
+            views.append(arena[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+            offset += size
+        return views
+
+
+def _distinct(variable: Sequence[torch.Tensor | None]) -> bool:
+    present = [t for t in variable if t is not None]
+    return len({id(t) for t in present}) == len(present)
