@@ -194,6 +194,9 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     device = logits.device
     tokens = torch.empty(batch_size, dtype=torch.int64, device=device)
     lse = torch.empty(batch_size, dtype=torch.float32, device=device) if with_lse else None
+    # The launches take these contiguous (stand_in), and a kept plan must see the tensors they take.
+    keys, stop, seen, counts, frequency, presence, table_rows = (
+        None if t is None else t.contiguous() for t in (keys, stop, seen, counts, frequency, presence, table_rows))
     variable = (logits, temperature, greedy, keys, stop, seen, repetition, counts, frequency, presence, table_rows,
                 tokens, lse)
 

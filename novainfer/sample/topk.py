@@ -258,7 +258,7 @@ def top_k_logprobs(logits: torch.Tensor, sampled: torch.Tensor | None, num_logpr
     pass). ``sampled`` None: each row's top entry, the argmax (a greedy step's token, whose rank
     is 1), with no argmax of its own and no ranks counted."""
     batch_size, width = logits.shape[0], 1 + num_logprobs
-    mode = _Logprobs(None if sampled is None else sampled.contiguous(), lse,
+    mode = _Logprobs(None if sampled is None else sampled.contiguous(), None if lse is None else lse.contiguous(),
                      torch.empty(batch_size, 1 + 2 * width, dtype=torch.int64, device=logits.device))
     # The top entry at least: the kernels need a k >= 1; the columns past n are not written.
     _launch(logits, max(num_logprobs, 1), None, mode.packed, mode, block, stored=num_logprobs)

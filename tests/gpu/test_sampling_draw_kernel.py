@@ -166,6 +166,28 @@ def test_a_draw_after_the_warm_up_reads_each_per_row_value_from_its_own_tensor()
         assert tokens.tolist() == torch_draw(logits.to(DEVICE), metadata, keys).tolist()
 
 
+def test_draws_of_one_shape_read_each_steps_penalties_from_the_table():
+    """The sampling table's per-row penalties are strided columns of its gathered parameters, which
+    the draw takes as contiguous copies: two draws of one shape over other requests must each read
+    their own (a launch kept from the first call must not keep reading its copy). Each row's
+    argmax is three times in its output, so the penalties decide the token; oracle: the torch path."""
+    generator = torch.Generator().manual_seed(5)
+    logits = (torch.randn(2, VOCAB, generator=generator) * 3).to(DEVICE)
+    outputs = [[int(token)] * 3 for token in logits.argmax(dim=-1).tolist()]
+    steps = [((0, 1), [(2.0, 0.0), (0.0, 2.0)]), ((2, 3), [(0.0, 0.0), (-2.0, 0.5)])]
+    table = SamplingStateTable(VOCAB, torch.device(DEVICE), seed=1)
+    keys = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    found = []
+    for rows, penalties in steps:
+        params = [SamplingParams(temperature=0.0, frequency_penalty=f, presence_penalty=p) for f, p in penalties]
+        table.add_requests(list(rows), params, [[5, 6], [7, 8]], outputs)
+        metadata = table.gather(np.asarray(rows, dtype=np.int64), np.zeros(2, dtype=np.int64))
+        tokens, _, _ = draw_whole_vocabulary(logits, metadata, None, with_lse=False, block=BLOCK)
+        assert tokens.tolist() == torch_draw(logits, metadata, keys).tolist()
+        found.append(tokens.tolist())
+    assert found[0] != found[1], "the two steps' penalties must give different tokens, or this test shows nothing"
+
+
 CANDIDATE_PARAMS = [
     SamplingParams(temperature=0.0),  # the first candidate
     SamplingParams(temperature=0.7, top_k=40),

@@ -172,7 +172,7 @@ class LaunchPlans:
     binaries' launches, with no argument binding, size arithmetic or scratch allocation.
 
     The caller names each call's ``variable`` tensors (inputs and outputs that change from call to
-    call; None for an absent one) and a key that holds everything else its launches' arguments
+    call, as the launches receive them; None for an absent one) and a key that holds everything else its launches' arguments
     depend on (sizes, strides, dtypes, flags); the plan's key adds the device, the current stream,
     whether direct launches are on, and each variable pointer's 16-byte alignment (which Triton
     specializes on). Scratch buffers are carved from one arena per device and stream: launches on
@@ -198,7 +198,10 @@ class LaunchPlans:
             scratch, make_launches = build()
             bound = [launcher.bind(grid, variable, *args, **kwargs)
                      for launcher, grid, args, kwargs in make_launches(self._carve(scratch, device, stream_key))]
-            self._plans[full_key] = None if None in bound else bound
+            # A variable no launch received as it is (a copy made on the way, say) would be read
+            # from this call forever after: such a plan is not kept.
+            kept = None not in bound and all(t is None or any(b.slots[i] for b in bound) for i, t in enumerate(variable))
+            self._plans[full_key] = bound if kept else None
         elif plan is None or plan is self:  # self: a call passing one tensor as two variables keeps nothing
             self._plain(device, build)
         else:
@@ -219,7 +222,8 @@ class LaunchPlans:
         sizes = [-(-math.prod(shape) * dtype.itemsize // 256) * 256 for shape, dtype in buffers]
         arena = self._arenas.get(stream_key)
         if arena is None or arena.numel() < sum(sizes):
-            for key in [key for key in self._plans if key[:2] == stream_key]:
+            # list(): one copy under the GIL (ranks run as threads may add plans meanwhile).
+            for key in [key for key in list(self._plans) if key[:2] == stream_key]:
                 del self._plans[key]
             arena = self._arenas[stream_key] = torch.empty(
                 max(sum(sizes), 0 if arena is None else 2 * arena.numel()), dtype=torch.uint8, device=device)
