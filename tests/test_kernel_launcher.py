@@ -6,7 +6,11 @@ compile separately (a pointer off 16-byte alignment, an integer equal to 1 or no
 another dtype, constexpr or option) must go through ``kernel[grid]``; a repeated one must reach its
 binary with the arguments ``JITFunction.run`` passes a binary: the grid padded to three
 dimensions, the stream, the binary's function and metadata, no launch hooks, then every argument
-in the kernel's order (constexprs included). tests/gpu/test_kernel_launcher.py runs real kernels.
+in the kernel's order (constexprs included). ``bind`` keeps such a launch with its variable
+arguments emptied, and ``LaunchPlans`` (made to keep plans for CPU tensors here) repeat a kept
+shape without binding, and keep nothing where that would be wrong (a variable the launches got a
+copy of, one tensor passed as two variables) or stale (plans carved from an arena that grew).
+tests/gpu/test_kernel_launcher.py runs real kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import novainfer.layers.ops.launcher as launcher_module  # noqa: E402
-from novainfer.layers.ops.launcher import KernelLauncher, direct_launches  # noqa: E402
+from novainfer.layers.ops.launcher import KernelLauncher, LaunchPlans, direct_launches  # noqa: E402
 
 DEVICE, STREAM = 3, 1234
 
@@ -155,3 +159,75 @@ def test_bind_refuses_one_tensor_standing_for_two_variables(launcher):
     x = torch.zeros(64)
     with pytest.raises(ValueError, match="distinct"):
         launcher.bind((1,), (x, x), x, x, 64, 0.5, BLOCK=32)
+
+
+class KeepingPlans(LaunchPlans):
+    """LaunchPlans that keep plans for CPU tensors (on CUDA only, otherwise), to test their bookkeeping here."""
+
+    @staticmethod
+    def _keeps(device: torch.device) -> bool:
+        return True
+
+
+@pytest.fixture
+def binds(launcher):
+    """The number of times the kernel's binder ran (every call that is not a kept plan's runs it)."""
+    count = [0]
+    *cache, binder = launcher.kernel.device_caches[DEVICE]
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return binder(*args, **kwargs)
+
+    launcher.kernel.device_caches[DEVICE] = (*cache, counting)
+    return count
+
+
+def plan_call(plans, launcher, x, rows=4, alias=False, copy_x=False):
+    """One call through ``plans``: the kernel on the variable ``x`` and a scratch buffer of ``rows``
+    rows (passed as ``out``); ``alias`` names x as a second variable too, ``copy_x`` passes the launch
+    a copy of x (a variable that does not reach it as it is). Returns the launch's scratch."""
+    def build():
+        return [((rows, 8), torch.float32)], lambda scratch: [
+            (launcher, (rows,), (x.clone() if copy_x else x, scratch[0], 64, 0.5), {"BLOCK": 32})]
+    plans.launch(x.device, (rows,), (x, x) if alias else (x,), build)
+    return launcher.launches[-1][10]
+
+
+def test_launch_plans_repeat_a_shape_with_new_tensors_and_the_same_scratch(launcher, binds):
+    plans = KeepingPlans()
+    x, x2 = torch.zeros(64), torch.ones(64)
+    scratch = plan_call(plans, launcher, x)
+    assert plan_call(plans, launcher, x2) is scratch and binds[0] == 2, "a kept plan binds nothing"
+    assert launcher.launches[-1] == (4, 1, 1, STREAM, "function", "metadata", None, None, None, x2, scratch, 64,
+                                     0.5, 32)
+    plan_call(plans, launcher, torch.zeros(65)[1:])  # a pointer off alignment: a plan of its own
+    assert binds[0] == 4
+
+
+def test_launch_plans_keep_nothing_for_a_variable_that_does_not_reach_a_launch_as_it_is(launcher, binds):
+    plans = KeepingPlans()
+    x = torch.zeros(64)
+    plan_call(plans, launcher, x, copy_x=True)
+    plan_call(plans, launcher, x, copy_x=True)
+    assert binds[0] == 3, "a kept plan would read its first call's copy forever"
+
+
+def test_launch_plans_keep_nothing_for_one_tensor_passed_as_two_variables(launcher, binds):
+    plans = KeepingPlans()
+    x = torch.zeros(64)
+    plan_call(plans, launcher, x, alias=True)
+    plan_call(plans, launcher, x, alias=True)
+    assert binds[0] == 2, "one launch each, through the launcher: nothing kept"
+
+
+def test_launch_plans_drop_their_plans_when_the_arena_grows(launcher, binds):
+    plans = KeepingPlans()
+    x = torch.zeros(64)
+    small = plan_call(plans, launcher, x, rows=4)
+    plan_call(plans, launcher, x, rows=400)  # more scratch than the arena holds: a new arena
+    again = plan_call(plans, launcher, x, rows=4)  # its plan was carved from the old arena: made again
+    assert binds[0] == 6 and again.data_ptr() != small.data_ptr()
+    plan_call(plans, launcher, x, rows=4)
+    plan_call(plans, launcher, x, rows=400)
+    assert binds[0] == 6

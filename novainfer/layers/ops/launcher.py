@@ -187,8 +187,7 @@ class LaunchPlans:
 
     def launch(self, device: torch.device, key: tuple, variable: Sequence[torch.Tensor | None],
                build: PlanBuilder) -> None:
-        # Under stream capture a plan's scratch would go into a graph that outlives the arena it came from.
-        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        if not self._keeps(device):
             self._plain(device, build)
             return
         stream_key = (device.index, current_stream(device.index))
@@ -208,6 +207,12 @@ class LaunchPlans:
             stream = stream_key[1]
             for bound_launch in plan:
                 bound_launch.launch(stream, *variable)
+
+    @staticmethod
+    def _keeps(device: torch.device) -> bool:
+        """Whether calls on ``device`` keep plans: on CUDA, but not under stream capture (a plan's
+        scratch would go into a graph that outlives the arena it came from)."""
+        return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
     @staticmethod
     def _plain(device: torch.device, build: PlanBuilder) -> None:
