@@ -205,20 +205,16 @@ def test_launch_plans_repeat_a_shape_with_new_tensors_and_the_same_scratch(launc
     assert binds[0] == 4
 
 
-def test_launch_plans_keep_nothing_for_a_variable_that_does_not_reach_a_launch_as_it_is(launcher, binds):
+@pytest.mark.parametrize("case, num_binds", [("copy", 3), ("alias", 2)])
+def test_launch_plans_keep_nothing_where_a_kept_launch_would_be_wrong(launcher, binds, case, num_binds):
+    """A variable the launch got a copy of (a plan would read its first call's copy forever: each
+    call binds, and bind itself binds again), or one tensor passed as two variables (which could not
+    take two values: each call is a plain launch, one bind)."""
     plans = KeepingPlans()
     x = torch.zeros(64)
-    plan_call(plans, launcher, x, copy_x=True)
-    plan_call(plans, launcher, x, copy_x=True)
-    assert binds[0] == 3, "a kept plan would read its first call's copy forever"
-
-
-def test_launch_plans_keep_nothing_for_one_tensor_passed_as_two_variables(launcher, binds):
-    plans = KeepingPlans()
-    x = torch.zeros(64)
-    plan_call(plans, launcher, x, alias=True)
-    plan_call(plans, launcher, x, alias=True)
-    assert binds[0] == 2, "one launch each, through the launcher: nothing kept"
+    for _ in range(2):
+        plan_call(plans, launcher, x, copy_x=case == "copy", alias=case == "alias")
+    assert binds[0] == num_binds
 
 
 def test_launch_plans_drop_their_plans_when_the_arena_grows(launcher, binds):
