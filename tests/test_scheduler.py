@@ -155,3 +155,33 @@ def test_logprobs_travel_with_their_token(first_row):
     block = StepLogprobs.of(2, [5, 1, 7, 3], [-0.1, -2.0, -0.5, -1.5], [1, 1])
     [out] = scheduler.update_from_output(rids, tokens, block, [first_row])
     assert out.new_logprobs == (None if first_row < 0 else (block, 1))
+
+
+
+def test_steps_tell_the_workers_each_known_requests_progress_and_new_blocks():
+    """A request the workers hold appears in a step's columns with its computed tokens before the
+    step and the blocks it got in it; a new or resumed one appears among the new requests with all
+    its blocks, never in both. Replaying the messages gives the KV cache manager's block tables,
+    through block growth and a preemption."""
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    add(scheduler, "first", 8, max_tokens=10, ignore_eos=True)
+    add(scheduler, "second", 8, max_tokens=10, ignore_eos=True)
+    runner, tables = FakeRunner(), {}
+    grew = resumed = 0
+    while scheduler.has_unfinished_requests():
+        computed = {rid: r.num_computed_tokens for rid, r in scheduler.requests.items()}
+        so, _ = runner.step(scheduler)
+        cached, new_ids = so.scheduled_cached_reqs, [new.req_id for new in so.scheduled_new_reqs]
+        assert len(cached) == len(cached.new_block_ids) == len(cached.num_computed_tokens)
+        assert sorted(cached.req_ids + new_ids) == sorted(so.num_scheduled_tokens)
+        for new in so.scheduled_new_reqs:
+            resumed += bool(new.output_token_ids)
+            tables[new.req_id] = list(new.block_ids)
+        for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            assert num_computed == computed[rid]
+            grew += bool(new_blocks)
+            tables[rid] += new_blocks
+        for rid in so.num_scheduled_tokens:
+            if rid in scheduler.requests:  # (a request that finished in this step has freed its blocks)
+                assert tables[rid] == scheduler.kv_cache_manager.get_block_ids(rid)
+    assert grew and resumed and scheduler.num_preemptions_total

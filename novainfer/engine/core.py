@@ -23,7 +23,7 @@ import msgspec
 from novainfer.config import EngineConfig
 from novainfer.core.kv_cache_manager import KVCacheManager
 from novainfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
-from novainfer.core.sched.output import DEVICE_DRAFT_TOKEN, SchedulerOutput
+from novainfer.core.sched.output import DEVICE_DRAFT_TOKEN, CachedRequestData, SchedulerOutput
 from novainfer.core.sched.request import Request, RequestStatus
 from novainfer.core.sched.scheduler import Scheduler, SchedulerStats
 from novainfer.executor.abstract import Executor
@@ -204,7 +204,7 @@ class EngineCore:
     def _collect_in_flight(self) -> list[EngineCoreOutput]:
         """Waits for the steps in flight and applies their tokens."""
         self._in_flight.clear()
-        return self._update_from_runner(self.executor.execute_model(SchedulerOutput([], [], {}, 0)))
+        return self._update_from_runner(self.executor.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0)))
 
     def _take_early_outputs(self) -> list[EngineCoreOutput]:
         outputs, self._early_outputs = self._early_outputs, []
@@ -238,9 +238,9 @@ class EngineCore:
         s.num_steps += 1
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         num_decode = 0  # tokens of decodes: the last token, and a speculative decode's drafts
-        for r in scheduler_output.scheduled_cached_reqs:
-            num_tokens = scheduler_output.num_scheduled_tokens[r.req_id]
-            if num_tokens == 1 + len(spec_tokens.get(r.req_id, ())):
+        for rid in scheduler_output.scheduled_cached_reqs.req_ids:
+            num_tokens = scheduler_output.num_scheduled_tokens[rid]
+            if num_tokens == 1 + len(spec_tokens.get(rid, ())):
                 num_decode += num_tokens
         num_prefill = scheduler_output.total_num_scheduled_tokens - num_decode
         s.prompt_tokens_total += num_prefill

@@ -810,13 +810,15 @@ class ModelRunner:
         # with others reads their (neutral) parameters.
         self.sampling_table.add_requests([s.row for s in joined], [s.sampling_params for s in joined],
                                          [s.prompt_token_ids for s in joined], [s.output_token_ids for s in joined])
-        for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            if cached.new_block_ids:
-                self._append_blocks(state, cached.new_block_ids)
+        cached = so.scheduled_cached_reqs
+        requests = self.requests
+        for rid, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = requests[rid]
+            if new_block_ids:
+                self._append_blocks(state, new_block_ids)
                 if self.draft_kv_blocks is not None:
-                    self.draft_kv_blocks[cached.new_block_ids] = False
-            state.num_computed_tokens = cached.num_computed_tokens
+                    self.draft_kv_blocks[new_block_ids] = False
+            state.num_computed_tokens = num_computed
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, on_staged: Callable[[StagedStep | None], None] | None = None,

@@ -26,17 +26,22 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the workers already hold: only what changed since the last step."""
+    """The requests the workers already hold, as columns (entry i is request ``req_ids[i]``): only
+    what changed since the last step. One object per step rather than one per request: a decode
+    step of hundreds of requests builds and sends three lists."""
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # the blocks each got in this step
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     # req_id -> tokens computed this step (1 for a decode, 1 + its drafts for a speculative decode,
     # k for a prefill chunk)
     num_scheduled_tokens: dict[str, int]

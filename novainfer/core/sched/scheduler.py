@@ -137,7 +137,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
         scheduled: list[tuple[Request, int]] = []  # num_scheduled's requests, without a lookup each
@@ -148,6 +148,7 @@ class Scheduler:
         decoding: list[tuple[Request, int]] = []
         prefilling: list[tuple[Request, int]] = []
         max_context_len = self.max_context_len
+        workers_know = self._workers_know
         for r in self.running:
             num_known, num_placeholders = len(r.all_token_ids), r.num_output_placeholders
             num_uncomputed = num_known + num_placeholders - r.num_computed_tokens
@@ -168,18 +169,25 @@ class Scheduler:
                 if request.status != RequestStatus.RUNNING:
                     continue  # preempted earlier in this step
                 # A decode's drafts (speculative decoding) ride along as far as the budget goes.
-                num_new = min(num_uncomputed + len(request.spec_token_ids), budget)
+                drafts = request.spec_token_ids
+                num_new = min(num_uncomputed + len(drafts), budget) if drafts else min(num_uncomputed, budget)
                 new_blocks = self._allocate_or_preempt(request, num_new, num_scheduled, preempted)
                 if new_blocks is None:
                     continue  # the request itself was preempted
-                num_scheduled[request.request_id] = num_new
+                rid = request.request_id
+                num_scheduled[rid] = num_new
                 scheduled.append((request, num_new))
                 budget -= num_new
-                if request.spec_token_ids:
-                    request.spec_token_ids = request.spec_token_ids[:num_new - num_uncomputed]
+                if drafts:
+                    request.spec_token_ids = drafts[:num_new - num_uncomputed]
                     if request.spec_token_ids:
-                        spec_tokens[request.request_id] = request.spec_token_ids
-                self._emit(request, new_blocks, new_reqs, cached_reqs)
+                        spec_tokens[rid] = request.spec_token_ids
+                if rid in workers_know:  # only what changed (inline: every decode of every step is here)
+                    cached_reqs.req_ids.append(rid)
+                    cached_reqs.new_block_ids.append(new_blocks)
+                    cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+                else:
+                    self._emit_new(request, new_reqs)
 
         # Admit waiting requests, unless this step already had to preempt (no room).
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
@@ -201,7 +209,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             scheduled.append((request, num_new))
             budget -= num_new
-            self._emit(request, self.kv_cache_manager.get_block_ids(request.request_id), new_reqs, cached_reqs)
+            self._emit_new(request, new_reqs)
 
         output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
                                  scheduled_spec_decode_tokens=spec_tokens,
@@ -232,7 +240,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, num_scheduled: dict[str, int],
                              preempted: set[str]) -> list[int] | None:
-        lookahead = self._lookahead(request.num_computed_tokens + num_new)
+        lookahead = self._lookahead(request.num_computed_tokens + num_new) if self.config.num_lookahead_tokens else 0
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, request.all_token_ids, num_new,
                                                               num_lookahead_tokens=lookahead)
@@ -258,14 +266,11 @@ class Scheduler:
         self.waiting.appendleft(request)
         logger.debug("preempted request %s (%d tokens to recompute)", request.request_id, request.num_tokens)
 
-    def _emit(self, request: Request, new_blocks: list[int], new_reqs: list[NewRequestData],
-              cached_reqs: list[CachedRequestData]) -> None:
-        """Adds a scheduled request to the step's message; ``new_blocks`` (a fresh list, handed over):
-        the blocks it got in this step."""
+    def _emit_new(self, request: Request, new_reqs: list[NewRequestData]) -> None:
+        """Adds a scheduled request that the workers do not hold (new, or resumed after preemption)
+        to the step's message, with all its blocks. (Those they hold go to the step's
+        ``CachedRequestData`` with the blocks they got in the step.)"""
         rid = request.request_id
-        if rid in self._workers_know:
-            cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens))
-            return
         self._workers_know.add(rid)
         new_reqs.append(NewRequestData(rid, request.prompt_token_ids, list(request.output_token_ids),
                                        request.sampling_params, self.kv_cache_manager.get_block_ids(rid),
