@@ -62,6 +62,8 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        # The ids that end it (stop_token_ids and EOS): the parameters' own set, read once per token.
+        self.all_stop_token_ids = sampling_params.all_stop_token_ids
         self.max_tokens = max_tokens
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -293,22 +293,24 @@ class Scheduler:
         """
         outputs = []
         now = time.time()
+        requests, check_stop = self.requests, self.check_stop
         for rid, tokens, first_row, num_drafts in zip(req_ids, sampled_token_ids, logprobs_rows or itertools.repeat(-1),
                                                       num_verified_drafts or itertools.repeat(0)):
-            request = self.requests.get(rid)
+            request = requests.get(rid)
             if request is None:
                 continue
             if num_drafts:
                 self._take_back_rejected(request, num_drafts, len(tokens) - 1)
-            output = EngineCoreOutput(rid, [], None if first_row < 0 else (logprobs, first_row))
-            for token in tokens:
+            # Its own list (outputs of two steps are merged into the first one's).
+            output = EngineCoreOutput(rid, list(tokens), None if first_row < 0 else (logprobs, first_row))
+            if not request.output_token_ids:  # its first tokens
+                output.num_cached_tokens = max(request.num_cached_tokens, 0)
+                output.first_scheduled_time = request.metrics.first_scheduled_time
+            for index, token in enumerate(tokens):
                 request.append_output_token(token, now)
-                output.new_token_ids.append(token)
-                if len(request.output_token_ids) == 1:
-                    output.num_cached_tokens = max(request.num_cached_tokens, 0)
-                    output.first_scheduled_time = request.metrics.first_scheduled_time
-                status = self.check_stop(request)
+                status = check_stop(request)
                 if status is not None:
+                    del output.new_token_ids[index + 1:]
                     self.finish_requests(rid, status)
                     output.finish_reason = request.get_finished_reason()
                     output.stop_reason = request.stop_reason
@@ -345,7 +347,7 @@ class Scheduler:
         params = request.sampling_params
         outputs = request.output_token_ids
         last, num_outputs = outputs[-1], len(outputs)
-        if last in params.all_stop_token_ids and num_outputs >= params.min_tokens:
+        if last in request.all_stop_token_ids and num_outputs >= params.min_tokens:
             request.stop_reason = last if last in (params.stop_token_ids or ()) else None
             return RequestStatus.FINISHED_STOPPED
         if num_outputs >= request.max_tokens or len(request.all_token_ids) >= self.max_context_len:
