@@ -303,7 +303,7 @@ class Scheduler:
                 self._take_back_rejected(request, num_drafts, len(tokens) - 1)
             # Its own list (outputs of two steps are merged into the first one's).
             output = EngineCoreOutput(rid, list(tokens), None if first_row < 0 else (logprobs, first_row))
-            if not request.output_token_ids:  # its first tokens
+            if tokens and not request.output_token_ids:  # its first tokens
                 output.num_cached_tokens = max(request.num_cached_tokens, 0)
                 output.first_scheduled_time = request.metrics.first_scheduled_time
             for index, token in enumerate(tokens):
