@@ -417,3 +417,26 @@ def test_random_workload_keeps_invariants_and_hits_are_correct():
     assert manager.num_free_blocks == num_blocks
     assert manager.usage == 0.0
     assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
+
+
+# --- calls a caller may skip ------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_tokens_in_place_stop_short_of_new_blocks_and_of_a_block_to_hash(prefix_caching):
+    """Up to ``num_tokens_in_place`` a call would only count tokens; a caller that skips such calls
+    passes its own count at the next one, and ``truncate`` takes its count too."""
+    manager = KVCacheManager(16, BS, enable_prefix_caching=prefix_caching)
+    tokens = list(range(100, 110))
+    admit(manager, "a", tokens[:6])  # blocks 0-1, the first one full
+    # Prefix caching: the 8th token fills the second block, which allocate_slots then hashes.
+    assert manager.num_tokens_in_place("a") == (7 if prefix_caching else 8)
+    assert manager.num_tokens_in_place("a", num_lookahead_tokens=3) == 5
+    # Tokens 7 and 8 counted by the caller alone (skipped calls), then the 9th needs a block.
+    assert manager.allocate_slots("a", tokens[:8], 1, num_computed_tokens=8) == [2]
+    assert manager._requests["a"].num_tokens == 9
+    assert manager._requests["a"].num_hashed_blocks == (2 if prefix_caching else 0)
+    manager.truncate("a", 10)  # a count past the manager's own (skipped calls), within the slots held
+    assert manager._requests["a"].num_tokens == 10
+    with pytest.raises(ValueError):
+        manager.truncate("a", 13)

@@ -3,6 +3,8 @@ and stop reasons), stop conditions, preemption and async scheduling, against a p
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from novainfer.core.kv_cache_manager import KVCacheManager
@@ -185,3 +187,50 @@ def test_steps_tell_the_workers_each_known_requests_progress_and_new_blocks():
             if rid in scheduler.requests:  # (a request that finished in this step has freed its blocks)
                 assert tables[rid] == scheduler.kv_cache_manager.get_block_ids(rid)
     assert grew and resumed and scheduler.num_preemptions_total
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("lookahead,with_drafts", [(0, False), (3, True)])
+def test_skipped_kv_cache_calls_change_nothing(monkeypatch, async_scheduling, prefix_caching, lookahead, with_drafts):
+    """The scheduler calls ``allocate_slots`` for a running request only when a step goes past the
+    tokens its blocks hold in place: the same steps and outputs as calling it every step, through
+    chunked prefill, shared prefixes, preemption, lookahead slots, drafts and async scheduling."""
+
+    def run() -> list:
+        kv = KVCacheManager(24, 4, enable_prefix_caching=prefix_caching)
+        scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64,
+                                              async_scheduling=async_scheduling,
+                                              num_lookahead_tokens=lookahead), kv)
+        rng = random.Random(0)
+        for i in range(10):
+            params = SamplingParams(max_tokens=12 + i, ignore_eos=True)
+            params.update_from_generation_config([EOS])
+            prompt = [5] * 8 + list(range(10 + i, 10 + i + 3 + 2 * i))  # a shared 8-token prefix
+            scheduler.add_request(Request(f"r{i}", prompt, params, max_tokens=12 + i))
+        log, in_flight = [], None
+        while scheduler.has_unfinished_requests():
+            for r in scheduler.running:  # drafts for the decodes, as the engine proposes them
+                r.spec_token_ids = []
+                if with_drafts and r.num_computed_tokens == r.num_tokens_with_placeholders - 1:
+                    room = min(r.max_tokens - r.num_output_tokens, scheduler.max_context_len - r.num_tokens)
+                    r.spec_token_ids = [9] * max(min(rng.randrange(4), room - r.num_output_placeholders - 1), 0)
+            before = {rid: r.num_output_placeholders for rid, r in scheduler.requests.items()}
+            so = scheduler.schedule()
+            rids = [rid for rid in so.num_scheduled_tokens
+                    if scheduler.requests[rid].num_output_placeholders > before.get(rid, 0)]
+            drafts = [len(so.scheduled_spec_decode_tokens.get(rid, ())) for rid in rids]
+            step = (rids, [[9] * rng.randrange(n + 1) + [7] for n in drafts], None, None, drafts)
+            log.append((so, {rid: kv.get_block_ids(rid) for rid in so.num_scheduled_tokens}))
+            if async_scheduling:
+                step, in_flight = in_flight, step
+            if step:
+                log.append([(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens)  # (no times)
+                            for o in scheduler.update_from_output(*step)])
+            assert len(log) < 2000
+        return log + [scheduler.num_preemptions_total, kv.prefix_cache_stats]
+
+    skipping = run()
+    monkeypatch.setattr(KVCacheManager, "num_tokens_in_place", lambda *args: -1)  # a call every step
+    assert skipping == run()
+    assert skipping[-2]  # (the cache is small enough for preemptions)

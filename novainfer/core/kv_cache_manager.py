@@ -5,7 +5,10 @@ Scheduler protocol, per request:
 1. On admission: ``blocks, num_hit = get_computed_blocks(rid, token_ids)``,
    then at once (no other allocation in between, which could evict those
    blocks) ``allocate_slots(rid, token_ids, n, blocks, num_hit)``.
-2. Every later step: ``allocate_slots(rid, token_ids, n)``.
+2. Every later step: ``allocate_slots(rid, token_ids, n)``. A caller that counts
+   the request's computed tokens itself passes them (``num_computed_tokens``)
+   and may skip the steps that stay within ``num_tokens_in_place(rid)``: those
+   calls would only have counted the tokens.
 3. On finish, abort or preemption: ``free(rid)``. A preempted request is
    admitted afresh later.
 
@@ -43,7 +46,7 @@ class PrefixCacheStats:
 class _RequestBlocks:
     block_ids: list[int]
     # Tokens the block table has been sized for: computed, or being computed
-    # in the step that the last allocate_slots call served.
+    # in the step that the last allocate_slots call served (or truncate set).
     num_tokens: int
     # Leading blocks already hashed, and the chain hash of the last of them,
     # so that hashing newly filled blocks is O(new blocks).
@@ -135,6 +138,7 @@ class KVCacheManager:
         new_computed_blocks: Sequence[int] = (),
         num_new_computed_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        num_computed_tokens: int | None = None,
     ) -> list[int] | None:
         """Grow the request's block table to hold ``num_new_tokens`` more tokens.
 
@@ -151,15 +155,21 @@ class KVCacheManager:
         ``num_lookahead_tokens``: slots for that many more tokens past the new
         ones, not counted as computed (a draft model writes its proposals'
         K/V there before the step that verifies them is scheduled).
+
+        ``num_computed_tokens``: an admitted request's computed tokens before
+        the new ones, from a caller that skipped calls (None: the count of
+        the previous calls).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens} (request {request_id!r})")
         pool = self.block_pool
         request = self._requests.get(request_id)
+        if request is not None and num_computed_tokens is None:
+            num_computed_tokens = request.num_tokens
         if request is not None and not new_computed_blocks and not num_new_computed_tokens:
             # The common decode step: the last block still has room. Checked first because it
             # runs for every running request on every step.
-            num_tokens = request.num_tokens + num_new_tokens
+            num_tokens = num_computed_tokens + num_new_tokens
             if num_tokens + num_lookahead_tokens <= len(request.block_ids) * self.block_size:
                 request.num_tokens = num_tokens
                 # (_cache_full_blocks' own first test, without the call: no block fills on most steps)
@@ -180,7 +190,7 @@ class KVCacheManager:
                     f"request {request_id!r} is already admitted; cache hits are taken only once"
                 )
             num_held = len(request.block_ids)
-            num_computed = request.num_tokens
+            num_computed = num_computed_tokens
             num_revived = 0
 
         num_tokens = num_computed + num_new_tokens
@@ -208,14 +218,26 @@ class KVCacheManager:
             self._cache_full_blocks(request, token_ids)
         return new_block_ids
 
+    def num_tokens_in_place(self, request_id: str, num_lookahead_tokens: int = 0) -> int:
+        """The most computed tokens the request can count, with ``num_lookahead_tokens`` slots past
+        them, before ``allocate_slots`` has more to do than count them: its blocks' slots, and short
+        of filling its first block not hashed yet (allocate_slots hashes a block that fills)."""
+        request = self._get_request(request_id)
+        limit = len(request.block_ids) * self.block_size - num_lookahead_tokens
+        if self.enable_prefix_caching:
+            limit = min(limit, (request.num_hashed_blocks + 1) * self.block_size - 1)
+        return limit
+
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Counts only the request's first ``num_tokens`` tokens as computed (speculative decoding's
         rejected drafts); its blocks stay allocated, and later steps write those slots again.
-        Hashed (cacheable) blocks hold known tokens only and are never cut."""
+        Hashed (cacheable) blocks hold known tokens only and are never cut. (The bound is the slots
+        held, not the count: a caller that skips calls counts more than the manager does.)"""
         request = self._get_request(request_id)
-        if not request.num_hashed_blocks * self.block_size <= num_tokens <= request.num_tokens:
+        num_slots = len(request.block_ids) * self.block_size
+        if not request.num_hashed_blocks * self.block_size <= num_tokens <= num_slots:
             raise ValueError(f"request {request_id!r}: num_tokens must be in "
-                             f"[{request.num_hashed_blocks * self.block_size}, {request.num_tokens}], got {num_tokens}")
+                             f"[{request.num_hashed_blocks * self.block_size}, {num_slots}], got {num_tokens}")
         request.num_tokens = num_tokens
 
     def free(self, request_id: str) -> None:

@@ -75,6 +75,10 @@ class Request:
         # Draft tokens proposed for its next step (speculative decoding); from scheduling until the
         # step's tokens are known, the drafts that step verifies.
         self.spec_token_ids: list[int] = []
+        # While running: the most computed tokens its KV blocks take with nothing for the KV cache
+        # manager to do but count them (``KVCacheManager.num_tokens_in_place``), so the scheduler
+        # skips the manager's call on most steps. Set at each call.
+        self.num_tokens_in_place = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | None = None  # the stop token id that ended it

@@ -149,6 +149,7 @@ class Scheduler:
         prefilling: list[tuple[Request, int]] = []
         max_context_len = self.max_context_len
         workers_know = self._workers_know
+        running_status = RequestStatus.RUNNING  # a local: looking up an enum member costs more than the test
         for r in self.running:
             num_known, num_placeholders = len(r.all_token_ids), r.num_output_placeholders
             num_uncomputed = num_known + num_placeholders - r.num_computed_tokens
@@ -166,14 +167,21 @@ class Scheduler:
             for request, num_uncomputed in group:
                 if budget == 0:
                     break
-                if request.status != RequestStatus.RUNNING:
+                if request.status != running_status:
                     continue  # preempted earlier in this step
                 # A decode's drafts (speculative decoding) ride along as far as the budget goes.
                 drafts = request.spec_token_ids
-                num_new = min(num_uncomputed + len(drafts), budget) if drafts else min(num_uncomputed, budget)
-                new_blocks = self._allocate_or_preempt(request, num_new, num_scheduled, preempted)
-                if new_blocks is None:
-                    continue  # the request itself was preempted
+                num_new = num_uncomputed + len(drafts) if drafts else num_uncomputed
+                if num_new > budget:  # (not min(): a call per request per step)
+                    num_new = budget
+                if request.num_computed_tokens + num_new <= request.num_tokens_in_place:
+                    # Most steps: its blocks hold the new tokens and none of them fills, so the KV
+                    # cache manager would only count them (it takes our count at its next call).
+                    new_blocks = []
+                else:
+                    new_blocks = self._allocate_or_preempt(request, num_new, num_scheduled, preempted)
+                    if new_blocks is None:
+                        continue  # the request itself was preempted
                 rid = request.request_id
                 num_scheduled[rid] = num_new
                 scheduled.append((request, num_new))
@@ -200,6 +208,7 @@ class Scheduler:
                                                               hit_blocks, num_hit, self._lookahead(num_hit + num_new))
             if new_blocks is None:
                 break  # first come, first served: nobody behind it jumps the queue
+            self._note_tokens_in_place(request)
             self.waiting.popleft()
             request.set_status(RequestStatus.RUNNING)
             request.num_computed_tokens = num_hit
@@ -243,8 +252,10 @@ class Scheduler:
         lookahead = self._lookahead(request.num_computed_tokens + num_new) if self.config.num_lookahead_tokens else 0
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, request.all_token_ids, num_new,
-                                                              num_lookahead_tokens=lookahead)
+                                                              num_lookahead_tokens=lookahead,
+                                                              num_computed_tokens=request.num_computed_tokens)
             if new_blocks is not None:
+                self._note_tokens_in_place(request)
                 return new_blocks
             # The most recently admitted request that this step has not scheduled yet (at worst
             # ``request`` itself, which is running and unscheduled).
@@ -253,6 +264,12 @@ class Scheduler:
             preempted.add(victim.request_id)
             if victim is request:
                 return None
+
+    def _note_tokens_in_place(self, request: Request) -> None:
+        """After a call to ``allocate_slots``: up to where later steps need none. (Its lookahead
+        bound is the largest, so the tokens in place never count slots a step's lookahead needs.)"""
+        request.num_tokens_in_place = self.kv_cache_manager.num_tokens_in_place(request.request_id,
+                                                                                self.config.num_lookahead_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
