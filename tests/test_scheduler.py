@@ -99,6 +99,71 @@ def test_context_length_caps_a_request():
     assert len(tokens) == 12 - 8 and messages["a"][-1].finish_reason == "length"
 
 
+def reference_stop(request: Request, tokens: list[int],
+                   max_context_len: int) -> tuple[list[int], str | None, int | None]:
+    """The stop conditions applied token by token, as plainly as they read: the tokens a request
+    takes of ``tokens``, its finish reason and its stop reason."""
+    params, num_outputs, num_tokens = request.sampling_params, request.num_output_tokens, request.num_tokens
+    for index, token in enumerate(tokens):
+        taken = index + 1
+        if token in params.all_stop_token_ids and num_outputs + taken >= params.min_tokens:
+            return tokens[:taken], "stop", token if token in params.stop_token_ids else None
+        if num_outputs + taken >= request.max_tokens or num_tokens + taken >= max_context_len:
+            return tokens[:taken], "length", None
+    return list(tokens), None, None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_steps_of_several_tokens_stop_as_token_by_token(seed):
+    """Several tokens per request and step (speculative decoding's accepted drafts), against the
+    stop conditions applied token by token: EOS and stop ids under min_tokens, max_tokens and the
+    context limit, whichever comes first (a stop id before a limit reached at the same token)."""
+    rng = random.Random(seed)
+    scheduler = make_scheduler(max_model_len=rng.randint(12, 30))
+    for i in range(8):
+        max_tokens = rng.randint(1, 12)
+        add(scheduler, f"r{i}", rng.randint(2, 10), max_tokens=max_tokens,
+            min_tokens=rng.randint(0, min(max_tokens, 4)), stop_token_ids=rng.sample([3, 4], rng.randint(0, 2)),
+            ignore_eos=rng.random() < 0.3)
+    for _ in range(100):
+        if not scheduler.has_unfinished_requests():
+            break
+        _, (rids, _) = FakeRunner().schedule(scheduler)
+        tokens = [[rng.choice([EOS, 3, 4, 5, 6]) for _ in range(rng.randint(1, 4))] for _ in rids]
+        requests = [scheduler.requests[rid] for rid in rids]
+        expected = [reference_stop(r, t, scheduler.max_context_len) for r, t in zip(requests, tokens)]
+        outputs_before = [list(r.output_token_ids) for r in requests]
+        placeholders = [r.num_output_placeholders for r in requests]
+        outputs = scheduler.update_from_output(rids, tokens)
+        assert [(o.new_token_ids, o.finish_reason, o.stop_reason) for o in outputs] == expected
+        for r, before, in_flight, (taken, _, _) in zip(requests, outputs_before, placeholders, expected):
+            assert r.output_token_ids == before + taken and r.all_token_ids[r.num_prompt_tokens:] == r.output_token_ids
+            assert r.num_output_placeholders == max(in_flight - len(taken), 0)
+    assert not scheduler.has_unfinished_requests() and scheduler.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_tokens_of_a_step_equal_a_per_request_count(seed):
+    """The engine core's count of a step's decode tokens (its step kinds, its prompt tokens): those of
+    the requests the workers hold scheduled for their last token and all their drafts."""
+    from novainfer.engine.core import _num_decode_tokens
+
+    rng = random.Random(seed)
+    scheduler = make_scheduler(budget=rng.randint(4, 24))
+    for i in range(6):
+        add(scheduler, f"r{i}", rng.randint(2, 20), ignore_eos=True)
+    runner = FakeRunner()
+    for _ in range(30):
+        for r in scheduler.running:  # drafts for the decodes, as the engine core proposes them
+            if r.num_computed_tokens == r.num_tokens_with_placeholders - 1:
+                r.spec_token_ids = [5] * rng.randint(0, 3)
+        so, (rids, tokens) = runner.schedule(scheduler)
+        num_scheduled, spec_tokens = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
+        assert _num_decode_tokens(so) == sum(num_scheduled[rid] for rid in so.scheduled_cached_reqs.req_ids
+                                             if num_scheduled[rid] == 1 + len(spec_tokens.get(rid, ())))
+        scheduler.update_from_output(rids, tokens, num_verified_drafts=[len(spec_tokens.get(rid, ())) for rid in rids])
+
+
 def test_preempted_request_resumes_and_keeps_its_tokens():
     # 6 blocks of 4 tokens: two requests of 8-token prompts cannot both grow past 12 tokens.
     scheduler = make_scheduler(num_blocks=6, block_size=4)

@@ -62,9 +62,12 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        # The ids that end it (stop_token_ids and EOS): the parameters' own set, read once per token.
+        # The ids that end it (stop_token_ids and EOS): the parameters' own set, read at every step.
         self.all_stop_token_ids = sampling_params.all_stop_token_ids
         self.max_tokens = max_tokens
+        # The length (prompt and outputs) at which it ends: that of max_tokens, capped by the context
+        # limit of the scheduler that takes it (``Scheduler.add_request``).
+        self.max_num_tokens = len(self.prompt_token_ids) + max_tokens
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -118,14 +121,44 @@ class Request:
         elif RequestStatus.is_finished(new_status):
             self.metrics.finished_time = now
 
-    def append_output_token(self, token_id: int, now: float) -> None:
-        """Records a sampled token (the value of the oldest placeholder, if any), known at ``now``
-        (``time.time()``, read once per step by the caller)."""
-        if self.num_output_placeholders:
-            self.num_output_placeholders -= 1
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+    def append_output_tokens(self, token_ids: list[int], now: float) -> RequestStatus | None:
+        """Records a step's sampled tokens (the values of the oldest placeholders), known at ``now``
+        (``time.time()``, read once per step by the caller), and applies the token-level stop
+        conditions token by token: EOS/stop ids (after ``min_tokens``), then ``max_num_tokens``
+        (max_tokens and the context limit). A stop ends it at its token: the tokens after it are
+        dropped from ``token_ids`` (in place) and not recorded. Returns the status a stop ends it
+        with, None if it goes on. One call per request and step whatever its number of tokens (one
+        on nearly every step), with the per-token work in C (set and list operations)."""
+        # How many of them it may take: max_num_tokens ends it at the token that reaches it (at its
+        # first if it is reached already).
+        num_kept = self.max_num_tokens - len(self.all_token_ids)
+        status = None
+        if num_kept <= len(token_ids):
+            status = RequestStatus.FINISHED_LENGTH_CAPPED
+            if num_kept < 1:
+                num_kept = 1
+        if not self.all_stop_token_ids.isdisjoint(token_ids):  # (rare: no per-token loop otherwise)
+            stop = self._first_stop(token_ids)
+            if stop is not None and stop < num_kept:  # a stop token wins over a limit reached at it
+                num_kept, status = stop + 1, RequestStatus.FINISHED_STOPPED
+                token = token_ids[stop]
+                self.stop_reason = token if token in (self.sampling_params.stop_token_ids or ()) else None
+        if status is not None:
+            del token_ids[num_kept:]
+        num_placeholders = self.num_output_placeholders - len(token_ids)
+        self.num_output_placeholders = num_placeholders if num_placeholders > 0 else 0
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
         metrics = self.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
+        return status
+
+    def _first_stop(self, token_ids: list[int]) -> int | None:
+        """The index in ``token_ids`` (the next outputs) of the first stop token that may end the
+        request (with ``min_tokens`` reached at it), None if none."""
+        stop_ids, num_outputs = self.all_stop_token_ids, len(self.output_token_ids)
+        min_tokens = self.sampling_params.min_tokens
+        return next((index for index, token in enumerate(token_ids)
+                     if token in stop_ids and num_outputs + index + 1 >= min_tokens), None)

@@ -94,6 +94,8 @@ class Scheduler:
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
         self.num_accepted_tokens_per_pos: list[int] = []
+        # The context a request may reach (a stop condition): capped by max_model_len and by what the
+        # whole KV cache holds, so that a request alone in the cache can always take its next step.
         self.max_context_len = min(config.max_model_len, kv_cache_manager.num_blocks * kv_cache_manager.block_size)
 
     # ---- queue management --------------------------------------------------------------------
@@ -101,6 +103,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.max_num_tokens = min(request.max_num_tokens, self.max_context_len)
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
@@ -147,7 +150,6 @@ class Scheduler:
         # (request, its uncomputed tokens): unchanged until the request is scheduled or preempted.
         decoding: list[tuple[Request, int]] = []
         prefilling: list[tuple[Request, int]] = []
-        max_context_len = self.max_context_len
         workers_know = self._workers_know
         running_status = RequestStatus.RUNNING  # a local: looking up an enum member costs more than the test
         for r in self.running:
@@ -158,8 +160,7 @@ class Scheduler:
             elif num_uncomputed == 1 and not (
                     # Its tokens in flight take it to its length limit: it finishes once they are
                     # known, so scheduling it again would only sample a token past its end.
-                    num_placeholders and (len(r.output_token_ids) + num_placeholders >= r.max_tokens
-                                          or num_known + num_placeholders >= max_context_len)):
+                    num_placeholders and num_known + num_placeholders >= r.max_num_tokens):
                 decoding.append((r, 1))
         for group in (decoding, prefilling):
             if group is prefilling:
@@ -310,7 +311,7 @@ class Scheduler:
         """
         outputs = []
         now = time.time()
-        requests, check_stop = self.requests, self.check_stop
+        requests = self.requests
         for rid, tokens, first_row, num_drafts in zip(req_ids, sampled_token_ids, logprobs_rows or itertools.repeat(-1),
                                                       num_verified_drafts or itertools.repeat(0)):
             request = requests.get(rid)
@@ -318,20 +319,17 @@ class Scheduler:
                 continue
             if num_drafts:
                 self._take_back_rejected(request, num_drafts, len(tokens) - 1)
-            # Its own list (outputs of two steps are merged into the first one's).
+            # Its own list (outputs of two steps are merged into the first one's; a stop truncates it).
             output = EngineCoreOutput(rid, list(tokens), None if first_row < 0 else (logprobs, first_row))
-            if tokens and not request.output_token_ids:  # its first tokens
-                output.num_cached_tokens = max(request.num_cached_tokens, 0)
-                output.first_scheduled_time = request.metrics.first_scheduled_time
-            for index, token in enumerate(tokens):
-                request.append_output_token(token, now)
-                status = check_stop(request)
+            if tokens:
+                if not request.output_token_ids:  # its first tokens
+                    output.num_cached_tokens = max(request.num_cached_tokens, 0)
+                    output.first_scheduled_time = request.metrics.first_scheduled_time
+                status = request.append_output_tokens(output.new_token_ids, now)
                 if status is not None:
-                    del output.new_token_ids[index + 1:]
                     self.finish_requests(rid, status)
                     output.finish_reason = request.get_finished_reason()
                     output.stop_reason = request.stop_reason
-                    break
             outputs.append(output)
         return outputs
 
@@ -354,22 +352,6 @@ class Scheduler:
         per_pos.extend([0] * (num_drafts - len(per_pos)))
         for position in range(num_accepted):
             per_pos[position] += 1
-
-    def check_stop(self, request: Request) -> RequestStatus | None:
-        """Token-level stop conditions after a new token: EOS/stop ids, max_tokens, context length.
-
-        The context is capped by ``max_model_len`` and by what the whole KV cache can hold, so a
-        request alone in the cache can always take its next step.
-        """
-        params = request.sampling_params
-        outputs = request.output_token_ids
-        last, num_outputs = outputs[-1], len(outputs)
-        if last in request.all_stop_token_ids and num_outputs >= params.min_tokens:
-            request.stop_reason = last if last in (params.stop_token_ids or ()) else None
-            return RequestStatus.FINISHED_STOPPED
-        if num_outputs >= request.max_tokens or len(request.all_token_ids) >= self.max_context_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def make_stats(self) -> SchedulerStats:
         stats = self.kv_cache_manager.prefix_cache_stats
