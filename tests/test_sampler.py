@@ -6,7 +6,7 @@ import torch
 
 from novainfer.sample import LogprobsTensors, Sampler, SamplingMetadata
 from novainfer.sample.rng import exponential_noise, row_keys, seed_lanes, uniform_from_bits
-from novainfer.sample.sampler import apply_penalties, random_sample
+from novainfer.sample.sampler import apply_penalties, draw_in_nucleus, inverse_cdf_sample, random_sample
 from novainfer.sampling_params import SamplingParams
 
 
@@ -241,8 +241,10 @@ def renormalized(keep, probs=PROBS):
         (SamplingParams(min_p=0.1), renormalized([1, 1, 1, 1, 0])),
         # Temperature comes first: on TEMPERED, 0.73 + 0.18 already reaches 0.85.
         (SamplingParams(temperature=0.5, top_p=0.85), renormalized([1, 1, 0, 0, 0], TEMPERED)),
+        # Both sets: top-p 0.95 keeps four tokens (0.90 ranked before the fourth), min-p 0.2 three.
+        (SamplingParams(top_p=0.95, min_p=0.2), renormalized([1, 1, 1, 0, 0])),
     ],
-    ids=["temperature1", "temperature0.5", "top_k2", "top_p0.8", "min_p0.1", "temp_then_top_p"],
+    ids=["temperature1", "temperature0.5", "top_k2", "top_p0.8", "min_p0.1", "temp_then_top_p", "top_p_and_min_p"],
 )
 @pytest.mark.parametrize("seeded", [False, True], ids=["global_generator", "seeded"])
 def test_empirical_distribution(params, expected, seeded):
@@ -266,6 +268,35 @@ def test_seeded_rows_follow_the_distribution():
     freq = torch.bincount(tokens, minlength=5).float() / num_rows
     # sigma <= sqrt(0.25 / 10000) = 0.005; 0.025 is 5 sigma.
     assert (freq - PROBS).abs().max().item() < 0.025
+
+
+def test_inverse_cdf_draws_follow_the_masses_and_skip_massless_entries(monkeypatch):
+    # Unseeded rows draw with one uniform per row: masses scattered over a row whose first and last
+    # entries have none, unnormalized (the caller's min-p leaves rows so).
+    torch.manual_seed(8)
+    width, num_rows = 512, 30_000
+    where, masses = torch.tensor([1, 200, 301, 509]), torch.tensor([0.2, 0.6, 0.3, 0.9])
+    row = torch.zeros(width).index_copy_(0, where, masses)
+    tokens = inverse_cdf_sample(row.expand(num_rows, -1).contiguous())
+    freq = torch.bincount(tokens, minlength=width).float() / num_rows
+    # sigma <= sqrt(0.25 / 30000) ~= 0.0029; 0.015 is 5 sigma.
+    assert (freq[where] - masses / masses.sum()).abs().max().item() < 0.015
+    assert freq.sum().item() == pytest.approx(1.0) and freq[where].sum().item() == pytest.approx(1.0)
+    # The largest uniform still names an entry with mass; a row of NaNs (broken logits) a token.
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(*shape, 1.0 - 2.0 ** -53, **kw))
+    assert inverse_cdf_sample((row * 3.7).unsqueeze(0)).tolist() == [509]
+    assert 0 <= inverse_cdf_sample(torch.full((1, width), math.nan)).item() < width
+
+
+def test_a_small_top_p_over_a_flat_row_falls_back_to_sorting():
+    # Eleven of 1,000 equal tokens form each row's set (ties rank by id): a draw lands there with
+    # probability 0.011, so some of 64 rows is still outside after the redraws and the step sorts.
+    torch.manual_seed(9)
+    logits = torch.zeros(64, 1000)
+    metadata = build_metadata([SamplingParams(top_p=0.0105)] * 64, 1000)
+    assert draw_in_nucleus(logits, metadata) is None
+    tokens = Sampler()(logits, metadata).sampled_token_ids
+    assert tokens.max().item() <= 10
 
 
 # ---------------------------------------------------------------- logprobs

@@ -12,6 +12,9 @@ and then have the token checked against their top-p and min-p in passes over the
 row, replaced until the set holds it (no sort); only a top-k above 128 takes the
 torch stages, sorting the vocabulary. Logprobs come from the top-k's pass.
 Logprobs are the raw logits minus their log-sum-exp, never a [B, V] log_softmax.
+Without the kernels (a CPU), rows without a seed draw with one uniform each (the inverse of the
+row's cumulative distribution) rather than noise over the whole vocabulary, and a top-p without a
+top-k draws, checks the token against the set and draws again, rather than sorting the vocabulary.
 """
 
 from __future__ import annotations
@@ -180,7 +183,10 @@ def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 
 
 def _min_p_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    probs = logits.softmax(dim=-1)
+    return _min_p_probs_of(logits.softmax(dim=-1), metadata)
+
+
+def _min_p_probs_of(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     return probs if metadata.no_min_p else apply_min_p(probs, metadata.min_p)
 
 
@@ -221,6 +227,73 @@ def random_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     without a normalization or a cumsum.
     """
     return (probs / noise).argmax(dim=-1)
+
+
+def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
+    """Draw one index per row from (unnormalized, non-negative) probs [B, W] with one uniform per
+    row from the global generator: the first index whose cumulative mass exceeds u times the row's
+    total. The running sums are float64, so that every entry keeps its own mass however long the
+    row (a float32 sum of a whole vocabulary is off by up to 6e-8 at each entry)."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    # u < 1, so u times the total stays below it (float64: the product never rounds up to it) and
+    # the first sum above it is an entry's with mass. A row without mass, or of NaNs (broken
+    # logits), has none: the clamp keeps its index a token's.
+    u = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+# Draws again a row with a top-p gets before draw_in_nucleus leaves the step to the sorting path: a
+# draw lands in the row's set with probability at least top_p where no min-p cuts the row.
+NUCLEUS_REDRAWS = 4
+
+
+def draw_in_nucleus(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+    """Tokens of a step whose random rows have no top-k and no seed, with top-p and min-p, without
+    sorting the vocabulary: each row draws from its whole distribution after temperature and min-p
+    (:func:`inverse_cdf_sample`), keeps the token once the probability ranked before it (larger,
+    or equal at a lower id: the sorting path's order) is below its top-p, and draws again
+    otherwise. A kept token is then a draw from the row's set, as the sorting path's is. None when
+    some row is still outside its set after NUCLEUS_REDRAWS more draws (a small top-p over a flat
+    distribution): the caller then sorts."""
+    if not metadata.no_top_k or metadata.is_seeded is not None:
+        raise ValueError("draw_in_nucleus serves steps without top-k and without seeded rows")
+    probs = (logits / metadata.temperature.unsqueeze(1)).softmax(dim=-1)
+    drawable = _min_p_probs_of(probs, metadata)
+    tokens = inverse_cdf_sample(drawable)
+    # Rows at top_p 1 keep every token (the sorting path's rule against the running sum's rounding).
+    rows = torch.nonzero(metadata.top_p < 1.0).squeeze(1)
+    for _ in range(NUCLEUS_REDRAWS):
+        rows = _outside_nucleus(probs, tokens, rows, metadata.top_p)
+        if rows.numel() == 0:
+            return tokens
+        tokens[rows] = inverse_cdf_sample(drawable[rows])
+    return None if _outside_nucleus(probs, tokens, rows, metadata.top_p).numel() else tokens
+
+
+def _outside_nucleus(probs: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
+    """The ``rows`` whose token lies outside the row's top-p set: the probability ranked before it
+    reaches top_p."""
+    row_probs, row_tokens = probs[rows], tokens[rows].unsqueeze(1)
+    drawn = row_probs.gather(1, row_tokens)
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    ranked_before = (row_probs > drawn) | ((row_probs == drawn) & (ids < row_tokens))
+    return rows[(row_probs * ranked_before).sum(dim=-1) >= top_p[rows]]
+
+
+def draw(probs: torch.Tensor, token_ids: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """One index per row of (unnormalized) ``probs`` [B, W] (entry j of row b being token
+    ``token_ids[b, j]``, or ``token_ids[j]`` for a 1-D ``token_ids``): seeded rows by the exponential
+    race over their counter-based noise (the CUDA kernels' noise: the same tokens whatever the batch
+    and device), the others by :func:`inverse_cdf_sample`, one random number per row where the race
+    needs one per entry (on a CPU, Exp(1) noise over a whole vocabulary cost about ten times the
+    cumulative sum)."""
+    if metadata.is_seeded is None:
+        return inverse_cdf_sample(probs)
+    seeded = random_sample(probs, exponential_noise(metadata.noise_keys, token_ids))
+    if metadata.all_random_seeded:
+        return seeded
+    return torch.where(metadata.is_seeded, seeded, inverse_cdf_sample(probs))
 
 
 def gather_logprobs(
@@ -324,10 +397,14 @@ class Sampler(nn.Module):
             top_p = None if metadata.no_top_p else metadata.top_p
             probs = _min_p_probs(mask_sorted_top_k_top_p(logits / metadata.temperature.unsqueeze(1), metadata.top_k,
                                                          top_p), metadata)
+            choice = draw(probs, token_ids, metadata)
         else:
             token_ids = torch.arange(logits.shape[-1], device=logits.device)
-            probs = sampling_probs(logits.to(torch.float32), metadata)
-        choice = random_sample(probs, exponential_draws(probs, token_ids, metadata))
+            choice = None
+            if metadata.is_seeded is None and metadata.no_top_k and not metadata.no_top_p:
+                choice = draw_in_nucleus(logits.to(torch.float32), metadata)
+            if choice is None:
+                choice = draw(sampling_probs(logits.to(torch.float32), metadata), token_ids, metadata)
         sampled = choice if token_ids.dim() == 1 else token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
         if greedy is None:
             return sampled
