@@ -122,6 +122,7 @@ def test_abort_and_reuse_of_an_id_while_its_step_is_in_flight(engines, model_dir
     rng = random.Random(5)
     old, new, other = (random_ids(rng, n, vocab_size) for n in (6, 11, 8))
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    generated_before = engine.get_stats().generation_tokens_total  # (the engine is the module's)
     engine.add_request("other", {"prompt_token_ids": other}, greedy)
     engine.add_request("r", {"prompt_token_ids": old}, greedy)
     finished = {}
@@ -138,6 +139,9 @@ def test_abort_and_reuse_of_an_id_while_its_step_is_in_flight(engines, model_dir
                 finished[out.request_id] = out.outputs[0].token_ids
     assert finished == {"r": hf_greedy(model_dir, new, 6), "other": hf_greedy(model_dir, other, 6)}
     assert engine.engine_core.kv_cache_manager.usage == 0.0 and not engine.engine_core._in_flight
+    # Every token a request got is counted once, those of the step collected early for the new "r"
+    # too (the old "r"'s token of that step went to no request).
+    assert engine.get_stats().generation_tokens_total - generated_before == len(aborted.outputs[0].token_ids) + 12
 
 
 # ---------------------------------------------------------------- each setting, under preemption

@@ -139,8 +139,7 @@ class EngineCore:
             self._propose_drafts(runner_outputs)
         if self._in_flight and not self.scheduler.has_unfinished_requests():
             outputs += self._collect_in_flight()  # its requests are all finished; leave the workers idle
-        num_generated = sum(len(o.new_token_ids) for o in outputs)
-        self._record_step(scheduler_output, num_generated, time.perf_counter() - started, model_time)
+        self._record_step(scheduler_output, time.perf_counter() - started, model_time)
         return self._outputs(_merge(self._take_early_outputs() + outputs))
 
     def _can_pipeline(self, scheduler_output: SchedulerOutput) -> bool:
@@ -158,12 +157,14 @@ class EngineCore:
         return not scheduler_output.scheduled_spec_decode_tokens
 
     def _update_from_runner(self, runner_outputs) -> list[EngineCoreOutput]:
-        """Applies the tokens of the steps the executor finished, oldest first."""
+        """Applies the tokens of the steps the executor finished, oldest first, and counts them (here:
+        a step collected early, in ``add_requests``, is generated too)."""
         outputs = []
         for runner_output in runner_outputs:
             outputs += self.scheduler.update_from_output(runner_output.req_ids, runner_output.sampled_token_ids,
                                                          runner_output.logprobs, runner_output.logprobs_rows,
                                                          runner_output.num_verified_drafts)
+        self.stats.generation_tokens_total += sum(len(output.new_token_ids) for output in outputs)
         return outputs
 
     def _propose_drafts(self, runner_outputs: list[ModelRunnerOutput]) -> None:
@@ -231,14 +232,12 @@ class EngineCore:
         return msgspec.structs.replace(s, steps_by_kind=dict(s.steps_by_kind),
                                        step_time_by_kind=dict(s.step_time_by_kind))
 
-    def _record_step(self, scheduler_output: SchedulerOutput, num_generated: int, step_time: float,
-                     model_time: float) -> None:
+    def _record_step(self, scheduler_output: SchedulerOutput, step_time: float, model_time: float) -> None:
         s = self.stats
         s.num_steps += 1
         num_decode = _num_decode_tokens(scheduler_output)
         num_prefill = scheduler_output.total_num_scheduled_tokens - num_decode
         s.prompt_tokens_total += num_prefill
-        s.generation_tokens_total += num_generated
         s.step_time_total += step_time
         s.model_time_total += model_time
         kind = "decode" if num_prefill == 0 else "prefill" if num_decode == 0 else "mixed"
