@@ -288,6 +288,23 @@ def test_inverse_cdf_draws_follow_the_masses_and_skip_massless_entries(monkeypat
     assert 0 <= inverse_cdf_sample(torch.full((1, width), math.nan)).item() < width
 
 
+@pytest.mark.parametrize("others", [SamplingParams(top_p=0.8), SamplingParams(temperature=0.5)],
+                         ids=["top_p", "temperature"])
+def test_a_step_mixing_top_k_rows_with_others_follows_each_rows_distribution(others):
+    # Alternate rows keep two tokens (top-k) and draw from their own set: the candidates' path
+    # and the whole-vocabulary draw serve one step together.
+    torch.manual_seed(10)
+    logits = PROBS.log().expand(NUM_DRAWS, -1).contiguous()
+    tokens = sample(logits, [SamplingParams(top_k=2), others] * (NUM_DRAWS // 2)).sampled_token_ids
+    expected = {"top_p": renormalized([1, 1, 1, 0, 0]), "temperature": TEMPERED}
+    for half, want in ((tokens[0::2], renormalized([1, 1, 0, 0, 0])),
+                       (tokens[1::2], expected["top_p" if others.top_p < 1 else "temperature"])):
+        freq = torch.bincount(half, minlength=len(PROBS)).float() / len(half)
+        # sigma <= sqrt(0.25 / 30000) ~= 0.0029; 0.015 is 5 sigma.
+        assert (freq - want).abs().max().item() < 0.015, (freq, want)
+        assert torch.all(freq[want == 0] == 0)
+
+
 def test_a_small_top_p_over_a_flat_row_falls_back_to_sorting():
     # Eleven of 1,000 equal tokens form each row's set (ties rank by id): a draw lands there with
     # probability 0.011, so some of 64 rows is still outside after the redraws and the step sorts.

@@ -247,21 +247,24 @@ def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
 NUCLEUS_REDRAWS = 4
 
 
-def draw_in_nucleus(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
-    """Tokens of a step whose random rows have no top-k and no seed, with top-p and min-p, without
-    sorting the vocabulary: each row draws from its whole distribution after temperature and min-p
+def draw_in_nucleus(logits: torch.Tensor, metadata: SamplingMetadata,
+                    rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Tokens of unseeded rows without a top-k, with top-p and min-p, without sorting the
+    vocabulary: each row draws from its whole distribution after temperature and min-p
     (:func:`inverse_cdf_sample`), keeps the token once the probability ranked before it (larger,
     or equal at a lower id: the sorting path's order) is below its top-p, and draws again
-    otherwise. A kept token is then a draw from the row's set, as the sorting path's is. None when
-    some row is still outside its set after NUCLEUS_REDRAWS more draws (a small top-p over a flat
-    distribution): the caller then sorts."""
-    if not metadata.no_top_k or metadata.is_seeded is not None:
-        raise ValueError("draw_in_nucleus serves steps without top-k and without seeded rows")
+    otherwise. A kept token is then a draw from the row's set, as the sorting path's is. ``rows``
+    ([B] bool; default every row, then none may have a top-k) are those served: the others' tokens
+    are meaningless. None when some served row is still outside its set after NUCLEUS_REDRAWS more
+    draws (a small top-p over a flat distribution): the caller then sorts."""
+    if metadata.is_seeded is not None or (rows is None and not metadata.no_top_k):
+        raise ValueError("draw_in_nucleus serves unseeded rows without a top-k")
     probs = (logits / metadata.temperature.unsqueeze(1)).softmax(dim=-1)
     drawable = _min_p_probs_of(probs, metadata)
     tokens = inverse_cdf_sample(drawable)
     # Rows at top_p 1 keep every token (the sorting path's rule against the running sum's rounding).
-    rows = torch.nonzero(metadata.top_p < 1.0).squeeze(1)
+    checked = metadata.top_p < 1.0
+    rows = torch.nonzero(checked if rows is None else checked & rows).squeeze(1)
     for _ in range(NUCLEUS_REDRAWS):
         rows = _outside_nucleus(probs, tokens, rows, metadata.top_p)
         if rows.numel() == 0:
@@ -390,25 +393,42 @@ class Sampler(nn.Module):
         # Greedy rows go through the random path too (its result is discarded for them); their
         # temperature is 1, so they are free of division by zero.
         if metadata.max_top_k is not None:
-            # Every random row keeps at most max_top_k tokens: sample among those candidates
-            # (sorted, as top-p needs) rather than sorting the whole vocabulary. A temperature
-            # keeps a row's order, so it only needs to scale the candidates.
-            logits, token_ids = largest_logits(logits, min(metadata.max_top_k, logits.shape[-1]))
-            top_p = None if metadata.no_top_p else metadata.top_p
-            probs = _min_p_probs(mask_sorted_top_k_top_p(logits / metadata.temperature.unsqueeze(1), metadata.top_k,
-                                                         top_p), metadata)
-            choice = draw(probs, token_ids, metadata)
+            sampled = _draw_from_candidates(logits, metadata, metadata.max_top_k)
         else:
-            token_ids = torch.arange(logits.shape[-1], device=logits.device)
-            choice = None
-            if metadata.is_seeded is None and metadata.no_top_k and not metadata.no_top_p:
-                choice = draw_in_nucleus(logits.to(torch.float32), metadata)
-            if choice is None:
-                choice = draw(sampling_probs(logits.to(torch.float32), metadata), token_ids, metadata)
-        sampled = choice if token_ids.dim() == 1 else token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+            sampled = None
+            if not logits.is_cuda and metadata.is_seeded is None and not (metadata.no_top_k and metadata.no_top_p):
+                sampled = _draw_without_sorting(logits.to(torch.float32), metadata)
+            if sampled is None:
+                token_ids = torch.arange(logits.shape[-1], device=logits.device)
+                sampled = draw(sampling_probs(logits.to(torch.float32), metadata), token_ids, metadata)
         if greedy is None:
             return sampled
         return torch.where(metadata.is_greedy, greedy, sampled)
+
+
+def _draw_from_candidates(logits: torch.Tensor, metadata: SamplingMetadata, k: int) -> torch.Tensor:
+    """Tokens of rows that keep at most ``k`` tokens (their top-k): drawn among their ``k`` largest
+    logits (sorted, as top-p needs) rather than over a sorted vocabulary. A temperature keeps a row's
+    order, so it only scales the candidates."""
+    logits, token_ids = largest_logits(logits, min(k, logits.shape[-1]))
+    top_p = None if metadata.no_top_p else metadata.top_p
+    probs = _min_p_probs(mask_sorted_top_k_top_p(logits / metadata.temperature.unsqueeze(1), metadata.top_k, top_p),
+                         metadata)
+    return token_ids.gather(1, draw(probs, token_ids, metadata).unsqueeze(1)).squeeze(1)
+
+
+def _draw_without_sorting(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+    """Tokens of an unseeded step with a top-k or a top-p in some row (a CPU's path; None where
+    the sorting path has to serve it): rows without a top-k by :func:`draw_in_nucleus`, rows with
+    one among their candidates, in one step that may mix both."""
+    if metadata.no_top_k:
+        return draw_in_nucleus(logits, metadata)
+    has_top_k = metadata.top_k < logits.shape[-1]
+    tokens = draw_in_nucleus(logits, metadata, rows=~has_top_k)
+    if tokens is None:
+        return None
+    return torch.where(has_top_k, _draw_from_candidates(logits, metadata, int(metadata.top_k[has_top_k].max())),
+                       tokens)
 
 
 def _sample_with_kernels(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
