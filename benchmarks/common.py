@@ -146,7 +146,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
-                   help="Hugging Face model directory (default: the built-in tiny random Qwen2)")
+                   help="Hugging Face model directory, GGUF file or built-in model name such as smollm2 (default: "
+                        "the built-in tiny random Qwen2)")
     g.add_argument("--tiny-config", default=None,
                    help='JSON overrides for a tiny model variant, e.g. \'{"hidden_size": 256}\'')
     g.add_argument("--arch", default=None, choices=sorted(ARCHITECTURES),
@@ -177,10 +178,15 @@ def resolve_model(model: str | None, tiny_config: str | None = None, arch: str |
     if arch_overrides and not arch:
         raise SystemExit("--arch-overrides needs --arch")
     if model:
-        path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise SystemExit(f"--model {model!r} is not a Hugging Face model directory (no config.json)")
-        return str(path), path.resolve().name
+        from novainfer.builtin_models import builtin_model
+        from novainfer.model_loader.gguf import is_gguf_file
+
+        builtin = builtin_model(model)
+        path = builtin.locate() if builtin is not None else Path(model).expanduser()
+        if not ((path / "config.json").is_file() or is_gguf_file(path)):
+            raise SystemExit(f"--model {model!r} is neither a Hugging Face model directory (no config.json) nor "
+                             f"a GGUF file nor a built-in model")
+        return str(path), model if builtin is not None else path.resolve().stem
     if arch:
         from benchmarks.architectures import build_model_dir, get_architecture
 
@@ -200,6 +206,11 @@ def resolve_model_args(args: argparse.Namespace, device: Any) -> tuple[str, str,
     """(model directory, short tag, :func:`model_summary`) from the flags of :func:`add_model_arguments`."""
     model_dir, tag = resolve_model(args.model, args.tiny_config, args.arch, args.arch_overrides, device)
     summary = model_summary(model_dir, _json_object("--tiny-config", args.tiny_config) if args.tiny_config else None)
+    if args.model:
+        from novainfer.builtin_models import builtin_model
+
+        if builtin_model(args.model) is not None:  # its name, not where its package put the file
+            summary["path"] = f"built-in {args.model} ({Path(model_dir).name})"
     if args.arch:
         summary = {"preset": args.arch, "preset_overrides": _json_object("--arch-overrides", args.arch_overrides),
                    **summary}
@@ -208,7 +219,13 @@ def resolve_model_args(args: argparse.Namespace, device: Any) -> tuple[str, str,
 
 def model_summary(model_dir: str, tiny_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The architecture facts that decide the cost of a forward pass."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config_file = Path(model_dir) / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+    else:  # a GGUF file: its metadata as a config
+        from novainfer.config import ModelConfig
+
+        config = ModelConfig(model_dir).hf_config.to_dict()
     keys = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
             "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")

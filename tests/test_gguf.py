@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from novainfer import LLM, SamplingParams
-from novainfer.config import ModelConfig
+from novainfer.config import ModelConfig, preferred_dtype
 from novainfer.model_loader.gguf import GGUFError, iterate_gguf_weights
 from novainfer.models.registry import ModelRegistry
 from novainfer.tokenizer import get_tokenizer
@@ -77,6 +77,21 @@ def test_config_from_metadata(hf_dirs, gguf_file, arch):
     assert ours.rms_norm_eps == theirs["rms_norm_eps"]
     assert ours.rope_parameters["rope_theta"] == theirs["rope_theta"] == 10000.0
     assert ours.eos_token_id == theirs["eos_token_id"]
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_dtype_keeps_a_float_files_type_and_picks_the_devices_for_a_quantized_one(gguf_file, monkeypatch,
+                                                                                      native_bf16):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    cpu = torch.device("cpu")
+    assert preferred_dtype(cpu) == (torch.bfloat16 if native_bf16 else torch.float32)
+    for qtype, own in ((Q.F32, torch.float32), (Q.F16, torch.float16), (Q.BF16, torch.bfloat16)):
+        assert ModelConfig(str(gguf_file("qwen2", qtype)), device=cpu).torch_dtype == own, qtype.name
+    for qtype in (Q.Q8_0, Q.Q4_1):
+        path = str(gguf_file("qwen2", qtype))
+        assert ModelConfig(path, device=cpu).torch_dtype == preferred_dtype(cpu), qtype.name
+        assert ModelConfig(path, device=cpu, dtype="float32").torch_dtype == torch.float32  # asked: kept
 
 
 def test_rope_scaling_metadata(hf_dirs, tmp_path):

@@ -165,7 +165,7 @@ class Model:
         runs every batch eagerly instead.
         """
         torch_device = resolve_device(device)
-        model_config = ModelConfig(str(model_dir), dtype=dtype)
+        model_config = ModelConfig(str(model_dir), dtype=dtype, device=torch_device)
         model = load_model(model_config.model, model_config.hf_config, model_config.torch_dtype, torch_device)
         return cls(model, model_config.hf_config, torch_device, model_config.torch_dtype, n_ctx=n_ctx,
                    n_seq_max=n_seq_max, n_batch=n_batch, attention=attention, enforce_eager=enforce_eager,

@@ -67,7 +67,7 @@ class EngineArgs:
                                    max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
                                    max_cudagraph_capture_size=self.max_cudagraph_capture_size,
                                    attention_backend=self.attention_backend,
-                                   compilation_level=self.compilation_level)
+                                   compilation_level=self.compilation_level, device=device)
         draft_model_config = (draft_model_config_for(speculative_config.model, model_config)
                               if speculative_config is not None and speculative_config.method == "draft_model"
                               else None)
@@ -122,7 +122,7 @@ def draft_model_config_for(draft_model: str, target: ModelConfig) -> ModelConfig
         draft = ModelConfig(draft_model, dtype=target.torch_dtype, seed=target.seed, max_model_len=target.max_model_len,
                             enforce_eager=target.enforce_eager,
                             max_cudagraph_capture_size=target.max_cudagraph_capture_size,
-                            attention_backend=target.attention_backend)
+                            attention_backend=target.attention_backend, device=target.device)
     except ValueError as exc:
         raise ValueError(f"{key} {draft_model!r} cannot draft for the target: {exc}") from exc
     if draft.vocab_size != target.vocab_size:

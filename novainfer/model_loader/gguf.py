@@ -69,8 +69,9 @@ ROPE_FACTORS_TENSOR = "rope_freqs.weight"
 _LLAMA3_ROPE_BANDS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 _TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
 
-# GGUF float file types whose dtype "auto" keeps; quantized files load in float32 unless asked.
-_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+# GGUF float tensor types whose dtype "auto" keeps; quantized weights have none (None: "auto" picks
+# the device's preferred float type, see novainfer.config.preferred_dtype).
+_FLOAT_TENSOR_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:
@@ -245,11 +246,19 @@ class GGUFCheckpoint:
             "bos_token_id": self._field("tokenizer.ggml.bos_token_id", None),
             "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
             "pad_token_id": self._field("tokenizer.ggml.padding_token_id", None),
-            "dtype": _FILE_TYPE_DTYPES.get(self._field("general.file_type", None), "float32"),
+            "dtype": self._weights_dtype(),
         }
         if self.architecture == "llama":  # Qwen2 always has Q/K/V biases; Llama says so in its config
             values["attention_bias"] = "blk.0.attn_q.bias" in self.tensor_names
         return AutoConfig.for_model(self.spec.model_type, **values)
+
+    def _weights_dtype(self) -> str | None:
+        """The float type of the file's matrices (norms are float32 in files of any type): None if
+        any is quantized, float32 where they mix float types."""
+        types = {tensor.tensor_type.name for tensor in self.reader.tensors if len(tensor.shape) > 1}
+        if not types <= _FLOAT_TENSOR_DTYPES.keys():
+            return None
+        return _FLOAT_TENSOR_DTYPES[types.pop()] if len(types) == 1 else "float32"
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields ``(hf_name, float32 tensor)`` for each tensor, dequantized one at a time."""
