@@ -19,6 +19,8 @@ class EngineArgs:
     # A directory, a .gguf file, or a built-in model's name ("smollm2", "tiny"); None: SmolLM2-135M-Instruct.
     model: str | None = None
     tokenizer: str | None = None
+    # "auto": the checkpoint's float type; for quantized GGUF weights (the built-in SmolLM2), bfloat16 where
+    # the device computes it natively, else float32 (novainfer.config.preferred_dtype).
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
