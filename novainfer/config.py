@@ -32,13 +32,13 @@ def resolve_device(device: str) -> torch.device:
 def preferred_dtype(device: torch.device) -> torch.dtype:
     """The float type for weights that have none of their own (a quantized GGUF file's): bfloat16
     where ``device`` computes it natively (a CUDA GPU that supports it; a CPU with AVX512-BF16 or
-    AMX, where it halves the bytes each token reads: 1.5x the decode rate of float32 for
-    SmolLM2-135M on a 2-core AVX512-BF16 machine), else float32."""
+    AMX, where reading half the bytes per token speeds decoding up: see the README's GGUF section),
+    else float32."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    native = (getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-              or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-    return torch.bfloat16 if device.type == "cpu" and native else torch.float32
+    native = device.type == "cpu" and (getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+                                       or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return torch.bfloat16 if native else torch.float32
 
 
 @dataclass
