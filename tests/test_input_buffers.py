@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from novainfer.worker.input_buffers import BufferCapacity, StepInputBuffers
+from novainfer.worker.input_buffers import BufferCapacity, LogitsShift, StepInputBuffers
 
 
 def _buffers() -> StepInputBuffers:
@@ -43,3 +43,26 @@ def test_copy_between_different_layouts_is_refused() -> None:
     other = StepInputBuffers(BufferCapacity(max_tokens=16, max_seqs=8, max_blocks_per_seq=64), torch.device("cpu"))
     with pytest.raises(ValueError, match="different layouts"):
         _buffers().copy_to_device(64, other)
+
+
+def test_finish_inputs_takes_previous_tokens_and_shifts_logits_rows() -> None:
+    """The reference (non-CUDA) finishing of a step's inputs against plain loops: inputs whose
+    source is >= 0 become that entry of the previous tokens, the others keep their staged value,
+    and logits row j moves by min(counts[rows[j]] - 1, limits[j])."""
+    buffers = _buffers()
+    rng = np.random.default_rng(1)
+    staged = rng.integers(0, 1000, size=20)
+    sources = rng.integers(-1, 6, size=20)
+    previous = rng.integers(5000, 6000, size=6)
+    logits = np.array([3, 7, 11, 19])
+    counts, rows, limits = np.array([1, 5, 3]), np.array([2, 0, 1, 1]), np.array([4, 4, 4, 2])
+    buffers.host["input_ids"][:20] = staged
+    buffers.host["token_sources"][:20] = sources
+    buffers.host["logits_indices"][:4] = logits
+    shift = LogitsShift(*(torch.from_numpy(a) for a in (counts, rows, limits)))
+    buffers.finish_inputs((0, 0), 20, torch.from_numpy(previous), shift, 4)
+    want_ids = [previous[s] if s >= 0 else t for s, t in zip(sources, staged)]
+    want_logits = [i + min(counts[r] - 1, limit) for i, r, limit in zip(logits, rows, limits)]
+    np.testing.assert_array_equal(buffers.device_views["input_ids"][:20].numpy(), want_ids)
+    np.testing.assert_array_equal(buffers.device_views["logits_indices"][:4].numpy(), want_logits)
+    assert (sources >= 0).any() and (sources < 0).any()  # both kinds of input are covered

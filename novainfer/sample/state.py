@@ -63,8 +63,8 @@ def copy_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[t
     for a, offset in zip(arrays, offsets):
         host_np[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
     packed = host.to(device, non_blocking=True) if on_cuda else host
-    return [packed[offset:offset + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
-            for a, offset in zip(arrays, offsets)]
+    views = [packed[offset:offset + a.nbytes].view(_torch_dtype(a.dtype)) for a, offset in zip(arrays, offsets)]
+    return [view if a.ndim == 1 else view.view(a.shape) for view, a in zip(views, arrays)]
 
 
 @functools.cache

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from novainfer.sample.state import copy_to_device
+from novainfer.worker.input_buffers import LogitsShift
 from novainfer.worker.model_runner import DeviceDrafts
 
 if TYPE_CHECKING:
@@ -122,12 +123,12 @@ class DraftModelProposer:
         logits_indices = (starts + known - begins)[keeps]
         first_rows = np.where(keeps, np.cumsum(keeps) - 1, -1)
         input_ids, sources = self._catch_up_inputs(states, begins, ends, known, sampled, step)
-        offsets = self._newest_token_offsets(step, [s for s, k in zip(states, keeps) if k], (ends - known)[keeps])
+        shift = self._newest_token_shift(step, [s for s, k in zip(states, keeps) if k], (ends - known)[keeps])
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
         # A row's entries past its new tokens are -1: read only at positions counted as not computed.
         source_tokens = step.device_token_rows.clamp(min=0).view(-1) if sources is not None else None
         tokens = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
-                                         logits_indices, sources, source_tokens, offsets)
+                                         logits_indices, sources, source_tokens, shift)
         return CatchUp(states, known, ends, may_get <= 1, capacity, first_rows, tokens)
 
     def _within_budget(self, query_lens: np.ndarray) -> np.ndarray:
@@ -137,16 +138,16 @@ class DraftModelProposer:
         budget = self.runner.buffers.capacity.max_tokens
         return np.clip(budget - (np.cumsum(query_lens) - query_lens), 0, query_lens)
 
-    def _newest_token_offsets(self, step: SampledStep | None, states: list[CachedRequestState],
-                              num_computed_new: np.ndarray) -> torch.Tensor | None:
-        """On the device, per request of ``states`` (which sampled in ``step``): how far its newest
-        token lies past its first new one, within the ``num_computed_new`` new positions computed
+    def _newest_token_shift(self, step: SampledStep | None, states: list[CachedRequestState],
+                            num_computed_new: np.ndarray) -> LogitsShift | None:
+        """Moves each logits row of ``states`` (requests that sampled in ``step``) on the device from
+        its first new token to its newest, within the ``num_computed_new`` new positions computed
         (None where each got one token: a step without drafts)."""
         if not states or step.device_num_tokens is None:
             return None
         step_rows, limits = copy_to_device([np.fromiter((step.rows[s.req_id] for s in states), np.int64, len(states)),
                                             num_computed_new - 1], self.runner.device)
-        return torch.minimum(step.device_num_tokens[step_rows] - 1, limits)
+        return LogitsShift(step.device_num_tokens, step_rows, limits)
 
     @staticmethod
     def _catch_up_inputs(states: list[CachedRequestState], begins: np.ndarray, ends: np.ndarray, known: np.ndarray,
@@ -180,17 +181,22 @@ class DraftModelProposer:
         num_drafts = np.minimum(self.k, catch_up.capacity[proposing] - now_known[proposing] + 1)
         first = None
         if len(proposing):
-            (index_d,) = copy_to_device([catch_up.first_rows[proposing]], catch_up.tokens.device)
-            first = catch_up.tokens[index_d]
+            first_rows = catch_up.first_rows[proposing]
+            first = catch_up.tokens
+            if not _is_identity(first_rows, len(first)):  # some kept argmax does not propose
+                (index_d,) = copy_to_device([first_rows], first.device)
+                first = first.index_select(0, index_d)
         proposing_states = [states[i] for i in proposing.tolist()]
         drafts = self._propose(target, proposing_states, now_known[proposing], num_drafts, first)
-        # Rows in the order of sampled_req_ids; a request without drafts reads the last row (none).
+        # Rows in the order of sampled_req_ids; a request without drafts reads a row of none (-1).
         row_of = {state.req_id: row for row, state in enumerate(proposing_states)}
         rows = np.fromiter((row_of.get(rid, len(proposing)) for rid in sampled_req_ids), np.int64,
                            len(sampled_req_ids))
         counts = np.append(num_drafts, 0)[rows]
-        (rows_d,) = copy_to_device([rows], drafts.device)
-        return DeviceDrafts(list(sampled_req_ids), counts.tolist(), drafts[rows_d])
+        if not _is_identity(rows, len(drafts)):
+            (rows_d,) = copy_to_device([rows], self.runner.device)
+            drafts = torch.cat([drafts, self._empty_rows(1)]).index_select(0, rows_d)
+        return DeviceDrafts(list(sampled_req_ids), counts.tolist(), drafts)
 
     def _empty_rows(self, num_rows: int) -> torch.Tensor:
         """Rows of the drafts table that hold none (-1)."""
@@ -200,22 +206,26 @@ class DraftModelProposer:
                  num_drafts: np.ndarray, first: torch.Tensor) -> torch.Tensor:
         """The drafts of the proposing requests ``states``: their first ones (``first``, from the
         catch-up), then one chain of one-token forwards (see ``ModelRunner.greedy_chain``). Returns
-        [len(states) + 1, k] on the device, row i those of ``states[i]`` and a last row of none
-        (-1); entries past a request's ``num_drafts`` are meaningless."""
-        none = self._empty_rows(1)
+        [len(states), k] on the device, row i those of ``states[i]``; entries past a request's
+        ``num_drafts`` are meaningless."""
         if not states:
-            return none
-        parts = [first.unsqueeze(1)]
-        if self.k > 1:
-            # Forward j feeds draft j at position end - 1 + j (its KV slot) and gives draft j + 1.
-            num_forwards = num_drafts - 1
-            rows = np.fromiter((s.row for s in states), np.int64, len(states))
-            parts.append(self.runner.greedy_chain(first, np.arange(len(states)), ends, num_forwards, self.k - 1,
-                                                  self._block_tables(target, rows, ends + num_forwards)))
-        return torch.cat([torch.cat(parts, dim=1), none])
+            return self._empty_rows(0)
+        if self.k == 1:
+            return first.unsqueeze(1)
+        # Forward j feeds draft j at position end - 1 + j (its KV slot) and gives draft j + 1.
+        num_forwards = num_drafts - 1
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        chain = self.runner.greedy_chain(first, np.arange(len(states)), ends, num_forwards, self.k - 1,
+                                         self._block_tables(target, rows, ends + num_forwards))
+        return torch.cat([first.unsqueeze(1), chain], dim=1)
 
     @staticmethod
     def _block_tables(target: ModelRunner, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
         """The target's block table rows of the given requests, as wide as the longest sequence needs."""
         width = max(-(-int(seq_lens.max()) // target.block_size), 1)
         return target.block_table_rows[rows, :width]
+
+
+def _is_identity(index: np.ndarray, size: int) -> bool:
+    """Whether gathering ``index`` from ``size`` rows would give them all, in order (no gather needed)."""
+    return len(index) == size and bool((index == np.arange(size)).all())

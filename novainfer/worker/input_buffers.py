@@ -32,6 +32,17 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
 
 
 @dataclass(frozen=True)
+class LogitsShift:
+    """Moves a step's logits rows on the device: row j by ``min(counts[rows[j]] - 1, limits[j])``
+    (a draft's catch-up: which of a request's rows holds its newest token depends on how many
+    tokens the step before gave it, ``counts``, known on the device first)."""
+
+    counts: torch.Tensor
+    rows: torch.Tensor
+    limits: torch.Tensor
+
+
+@dataclass(frozen=True)
 class BufferCapacity:
     max_tokens: int
     max_seqs: int
@@ -114,6 +125,34 @@ class StepInputBuffers:
         if num_rows and width:
             packed = self.device_views["packed_block_tables"][:num_rows * width].view(num_rows, width)
             self.device_views["block_tables"][:num_rows, :width].copy_(packed)
+
+    def finish_inputs(self, table_shape: tuple[int, int], num_tokens: int, previous: torch.Tensor | None = None,
+                      shift: LogitsShift | None = None, num_logits: int = 0) -> None:
+        """After the step's copy, on the device: spreads its packed ``table_shape`` block tables
+        into their rows (:meth:`unpack_block_tables`); where ``previous`` (tokens still on the
+        device) is given, sets each of the first ``num_tokens`` inputs whose ``token_sources`` entry
+        is >= 0 to that entry of ``previous``; and moves the first ``num_logits`` logits rows by
+        ``shift``. One kernel launch on CUDA (:mod:`novainfer.worker.input_ops`), these torch
+        operations elsewhere."""
+        if self.device.type == "cuda":
+            from novainfer.worker.input_ops import finish_step_inputs
+
+            finish_step_inputs(self.device_views, *table_shape, num_tokens, previous, shift, num_logits)
+            return
+        self.unpack_block_tables(*table_shape)
+        views = self.device_views
+        if previous is not None:
+            sources, input_ids = views["token_sources"][:num_tokens], views["input_ids"][:num_tokens]
+            input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
+        if shift is not None:
+            views["logits_indices"][:num_logits].add_(torch.minimum(shift.counts[shift.rows] - 1, shift.limits))
+
+    def warm_up(self) -> None:
+        """Compiles what :meth:`finish_inputs` launches on CUDA, so that no step waits for it."""
+        if self.device.type == "cuda":
+            from novainfer.worker.input_ops import warm_up
+
+            warm_up(self.device_views)
 
     def wait_until_writable(self) -> None:
         """Blocks until the last copy has read the host buffer (call before refilling it).

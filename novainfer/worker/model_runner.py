@@ -40,7 +40,7 @@ from novainfer.sample.sampler import (LogprobsTensors, apply_min_tokens, apply_p
 from novainfer.sample.state import copy_to_device
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graphs import GraphKey, StepGraphs, cudagraph_capture_sizes
-from novainfer.worker.input_buffers import BufferCapacity, StepInputBuffers
+from novainfer.worker.input_buffers import BufferCapacity, LogitsShift, StepInputBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +94,8 @@ class StagedStep:
     previous_tokens: torch.Tensor | None = None
     # Copies of ``previous_tokens`` on other ranks' devices (see :meth:`copy_previous_tokens`).
     previous_tokens_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    # Added on the device to the step's logits rows (a draft's catch-up: which of a request's rows
-    # holds its newest token is known there first).
-    logits_offsets: torch.Tensor | None = None
-    # Whether every input token is one of ``previous_tokens`` (a decode step under async
-    # scheduling): then one gather fills the inputs, where a mix takes five operations.
-    all_inputs_previous: bool = False
+    # Moves the step's logits rows on the device (a draft's catch-up).
+    logits_shift: LogitsShift | None = None
 
     def copy_previous_tokens(self, devices: Sequence[torch.device]) -> None:
         """Queues the copies of ``previous_tokens`` to other ranks' devices, from the staging rank's
@@ -515,8 +511,7 @@ class ModelRunner:
         # Only the real sequences' block-table rows are copied: padding sequences have no context,
         # so the kernels never read their rows, which keep older valid ids.
         return StagedStep(buffers, data_end, block_tables.shape, num_tokens, num_seqs, num_logits, query_lens,
-                          seq_lens, graph_key, all_rows, greedy, previous_tokens if token_sources is not None else None,
-                          all_inputs_previous=token_sources is not None and bool((token_sources >= 0).all()))
+                          seq_lens, graph_key, all_rows, greedy, previous_tokens if token_sources is not None else None)
 
     def _runs_as_decode_rows(self, query_lens: np.ndarray, start_pos: np.ndarray) -> bool:
         """Whether a step with several query tokens in some sequence, a few per sequence (a
@@ -576,23 +571,14 @@ class ModelRunner:
                           staged.logits_are_all_rows)
 
     def _copy_inputs(self, staged: StagedStep, buffers: StepInputBuffers) -> dict[str, torch.Tensor]:
-        """Queues the copy of ``staged`` into ``buffers``' device side, then takes the tokens it
-        names in ``previous_tokens`` there; returns the device views."""
+        """Queues the copy of ``staged`` into ``buffers``' device side and what finishes its inputs
+        there (block tables, the tokens it takes from ``previous_tokens``, its logits shift);
+        returns the device views."""
         buffers.copy_to_device(staged.num_bytes, staged.buffers)
-        buffers.unpack_block_tables(*staged.block_table_shape)
-        views = buffers.device_views
-        if staged.previous_tokens is not None:
-            # Tokens sampled by the step before, which the host has not seen: taken on the device.
-            sources = views["token_sources"][:staged.num_tokens]
-            previous = staged.previous_tokens_on(self.device)
-            input_ids = views["input_ids"][:staged.num_tokens]
-            if staged.all_inputs_previous:
-                torch.index_select(previous, 0, sources, out=input_ids)
-            else:
-                input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
-        if staged.logits_offsets is not None:
-            views["logits_indices"][:staged.num_logits].add_(staged.logits_offsets)
-        return views
+        previous = staged.previous_tokens_on(self.device) if staged.previous_tokens is not None else None
+        buffers.finish_inputs(staged.block_table_shape, staged.num_tokens, previous, staged.logits_shift,
+                              staged.num_logits)
+        return buffers.device_views
 
     def prepare_inputs(self, seqs: Sequence[SequenceInput]) -> ModelInput:
         """Stages an explicit list of sequences (the low-level API); always an eager step."""
@@ -654,9 +640,9 @@ class ModelRunner:
                 return hidden[:model_input.logits_indices.shape[0]]
             if model_input.logits_are_all_rows:
                 return hidden[:model_input.num_seqs]
-            return hidden[model_input.logits_indices]
+            return hidden.index_select(0, model_input.logits_indices)  # one launch, less host time than []
         hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
-        return hidden if model_input.logits_are_all_rows else hidden[model_input.logits_indices]
+        return hidden if model_input.logits_are_all_rows else hidden.index_select(0, model_input.logits_indices)
 
     def _compute_logits(self, model_input: ModelInput) -> torch.Tensor:
         """The head output (see :meth:`_head_output`) of the rows requested, in the model's dtype."""
@@ -674,14 +660,14 @@ class ModelRunner:
     def greedy_step(self, input_ids: np.ndarray, query_lens: np.ndarray, start_pos: np.ndarray,
                     block_tables: np.ndarray, logits_indices: np.ndarray, token_sources: np.ndarray | None = None,
                     source_tokens: torch.Tensor | None = None,
-                    logits_offsets: torch.Tensor | None = None) -> torch.Tensor:
+                    logits_shift: LogitsShift | None = None) -> torch.Tensor:
         """Runs a step given as flat arrays (see :meth:`_stage`; ``token_sources`` names the inputs
-        taken from ``source_tokens`` on the device, ``logits_offsets`` moves each logits row on the
+        taken from ``source_tokens`` on the device, ``logits_shift`` moves the logits rows on the
         device) and returns the argmax token of each logits row, on the device, without waiting for
         it (a draft model's steps). Steps that fit a captured graph replay it."""
         staged = self._stage(input_ids, query_lens, start_pos, block_tables, logits_indices, greedy=True,
                              token_sources=token_sources, previous_tokens=source_tokens)
-        staged.logits_offsets = logits_offsets
+        staged.logits_shift = logits_shift
         return self._greedy_tokens(self._compute_logits(self._load(staged)))
 
     @torch.inference_mode()

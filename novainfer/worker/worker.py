@@ -213,9 +213,9 @@ class Worker:
         what a first use costs on a GPU: the allocator's growth (profiling returned its memory),
         library workspaces and kernel modules loaded on first launch. Its K/V go to free blocks,
         which every request writes before it reads (CUDA only: on CPU there is nothing to warm). Then
-        every attention and sampler kernel variant that a step may need is compiled (see the
-        backend's and the sampler's ``warm_up``), and the LM heads run at every row count a step may
-        sample (``ModelRunner.warm_up_head``)."""
+        every kernel variant that a step may need is compiled (see the attention backend's, the
+        sampler's and the step buffers' ``warm_up``), and the LM heads run at every row count a step
+        may sample (``ModelRunner.warm_up_head``)."""
         runner = self.model_runner
         if self.device.type != "cuda":
             return
@@ -232,8 +232,9 @@ class Worker:
         sched = self.config.scheduler_config
         # A step samples at most one row per sequence, or each draft and its bonus token.
         rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        for head_runner in self._runners():
-            head_runner.warm_up_head(min(sched.max_num_seqs * rows_per_seq, sched.max_num_batched_tokens))
+        for each_runner in self._runners():
+            each_runner.buffers.warm_up()
+            each_runner.warm_up_head(min(sched.max_num_seqs * rows_per_seq, sched.max_num_batched_tokens))
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * sched.max_model_len)
         seqs, num_blocks = self._prompt_step(num_tokens)
         if num_blocks <= runner.num_blocks:
