@@ -23,11 +23,12 @@ from novainfer.worker.input_buffers import LogitsShift
 _BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["table_stride", "num_table_entries", "width", "num_tokens", "num_logits"],
+@triton.jit(do_not_specialize=["table_stride", "num_table_entries", "width", "previous_stride", "num_tokens",
+                               "counts_stride", "num_logits"],
             do_not_specialize_on_alignment=["previous_ptr", "counts_ptr", "rows_ptr", "limits_ptr"])
 def _finish_inputs_kernel(packed_ptr, tables_ptr, table_stride, num_table_entries, width,
                           input_ids_ptr, sources_ptr, previous_ptr, previous_stride, num_tokens,
-                          logits_ptr, counts_ptr, rows_ptr, limits_ptr, num_logits,
+                          logits_ptr, counts_ptr, counts_stride, rows_ptr, limits_ptr, num_logits,
                           HAS_PREVIOUS: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     part = tl.program_id(1)
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -45,7 +46,7 @@ def _finish_inputs_kernel(packed_ptr, tables_ptr, table_stride, num_table_entrie
         if HAS_SHIFT:  # logits row j moves by min(counts[rows[j]] - 1, limits[j])
             mask = offsets < num_logits
             rows = tl.load(rows_ptr + offsets, mask=mask, other=0)
-            counts = tl.load(counts_ptr + rows, mask=mask, other=1)
+            counts = tl.load(counts_ptr + rows * counts_stride, mask=mask, other=1)
             limits = tl.load(limits_ptr + offsets, mask=mask, other=0)
             indices = tl.load(logits_ptr + offsets, mask=mask)
             tl.store(logits_ptr + offsets, indices + tl.minimum(counts - 1, limits), mask=mask)
@@ -83,5 +84,5 @@ def _launch(views: dict[str, torch.Tensor], num_blocks: int, num_entries: int, w
     _launch_finish_inputs[(num_blocks, num_parts)](
         views["packed_block_tables"], tables, tables.stride(0), num_entries, width,
         input_ids, views["token_sources"], previous_arg, previous_arg.stride(0), num_tokens,
-        logits, counts, rows, limits, num_logits,
+        logits, counts, counts.stride(0), rows, limits, num_logits,
         HAS_PREVIOUS=previous is not None, HAS_SHIFT=shift is not None, BLOCK=_BLOCK, num_warps=4)

@@ -39,7 +39,8 @@ def test_the_kernel_finishes_inputs_as_the_torch_operations(num_rows, width, num
     expected = _filled(seed=num_tokens)
     generator = torch.Generator().manual_seed(1)
     previous = torch.randint(0, 10**6, (50,), generator=generator) if with_previous else None
-    shift = LogitsShift(torch.randint(1, 6, (8,), generator=generator),
+    # The counts as a speculative step keeps them: a column of its packed results.
+    shift = LogitsShift(torch.randint(1, 6, (8, 6), generator=generator)[:, 0],
                         torch.randint(0, 8, (num_logits,), generator=generator),
                         torch.randint(0, 5, (num_logits,), generator=generator)) if with_shift else None
     actual = StepInputBuffers(CAPACITY, torch.device(DEVICE))
