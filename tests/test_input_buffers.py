@@ -66,3 +66,7 @@ def test_finish_inputs_takes_previous_tokens_and_shifts_logits_rows() -> None:
     np.testing.assert_array_equal(buffers.device_views["input_ids"][:20].numpy(), want_ids)
     np.testing.assert_array_equal(buffers.device_views["logits_indices"][:4].numpy(), want_logits)
     assert (sources >= 0).any() and (sources < 0).any()  # both kinds of input are covered
+    # Without rows and limits, row j moves by its own count less one.
+    buffers.host["logits_indices"][:3] = logits[:3]
+    buffers.finish_inputs((0, 0), 0, None, LogitsShift(torch.from_numpy(counts)), 3)
+    np.testing.assert_array_equal(buffers.device_views["logits_indices"][:3].numpy(), logits[:3] + counts - 1)

@@ -123,10 +123,12 @@ class DraftModelProposer:
         logits_indices = (starts + known - begins)[keeps]
         first_rows = np.where(keeps, np.cumsum(keeps) - 1, -1)
         input_ids, sources = self._catch_up_inputs(states, begins, ends, known, sampled, step)
-        shift = self._newest_token_shift(step, [s for s, k in zip(states, keeps) if k], (ends - known)[keeps])
+        shift = self._newest_token_shift(step, [s for s, k in zip(states, keeps) if k], (ends - known)[keeps],
+                                         may_get[keeps])
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
-        # A row's entries past its new tokens are -1: read only at positions counted as not computed.
-        source_tokens = step.device_token_rows.clamp(min=0).view(-1) if sources is not None else None
+        # A row's entries past its new tokens are -1 (taken as 0): read only at positions counted as
+        # not computed.
+        source_tokens = step.device_token_rows if sources is not None else None
         tokens = self.runner.greedy_step(input_ids, query_lens, begins, self._block_tables(target, rows, ends),
                                          logits_indices, sources, source_tokens, shift)
         return CatchUp(states, known, ends, may_get <= 1, capacity, first_rows, tokens)
@@ -139,15 +141,18 @@ class DraftModelProposer:
         return np.clip(budget - (np.cumsum(query_lens) - query_lens), 0, query_lens)
 
     def _newest_token_shift(self, step: SampledStep | None, states: list[CachedRequestState],
-                            num_computed_new: np.ndarray) -> LogitsShift | None:
-        """Moves each logits row of ``states`` (requests that sampled in ``step``) on the device from
-        its first new token to its newest, within the ``num_computed_new`` new positions computed
-        (None where each got one token: a step without drafts)."""
+                            num_computed_new: np.ndarray, may_get: np.ndarray) -> LogitsShift | None:
+        """Moves each logits row of ``states`` (requests that sampled in ``step``, each of which may
+        have got ``may_get`` tokens) on the device from its first new token to its newest, within
+        the ``num_computed_new`` new positions computed (None where each got one token: a step
+        without drafts)."""
         if not states or step.device_num_tokens is None:
             return None
-        step_rows, limits = copy_to_device([np.fromiter((step.rows[s.req_id] for s in states), np.int64, len(states)),
-                                            num_computed_new - 1], self.runner.device)
-        return LogitsShift(step.device_num_tokens, step_rows, limits)
+        step_rows = np.fromiter((step.rows[s.req_id] for s in states), np.int64, len(states))
+        if _is_identity(step_rows, len(step_rows)) and (num_computed_new >= may_get).all():
+            return LogitsShift(step.device_num_tokens)  # each row its request's, whatever it got computed
+        rows_d, limits_d = copy_to_device([step_rows, num_computed_new - 1], self.runner.device)
+        return LogitsShift(step.device_num_tokens, rows_d, limits_d)
 
     @staticmethod
     def _catch_up_inputs(states: list[CachedRequestState], begins: np.ndarray, ends: np.ndarray, known: np.ndarray,

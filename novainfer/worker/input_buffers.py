@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 _ALIGN = 64  # bytes; keeps every region aligned for any element type and for vector loads
+_COPY_GRANULE = 4096  # bytes; a step's copy is rounded up to a multiple (see StepInputBuffers._copy_parts)
 
 # Regions with one entry per token of the step.
 # ``token_sources`` is only read by steps whose inputs include tokens still on the device.
@@ -33,13 +34,18 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
 
 @dataclass(frozen=True)
 class LogitsShift:
-    """Moves a step's logits rows on the device: row j by ``min(counts[rows[j]] - 1, limits[j])``
-    (a draft's catch-up: which of a request's rows holds its newest token depends on how many
-    tokens the step before gave it, ``counts``, known on the device first)."""
+    """Moves a step's logits rows on the device: row j by ``min(counts[rows[j]] - 1, limits[j])``,
+    or by ``counts[j] - 1`` without ``rows`` and ``limits`` (a draft's catch-up: which of a
+    request's rows holds its newest token depends on how many tokens the step before gave it,
+    ``counts``, known on the device first)."""
 
     counts: torch.Tensor
-    rows: torch.Tensor
-    limits: torch.Tensor
+    rows: torch.Tensor | None = None
+    limits: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.rows is None) != (self.limits is None):
+            raise ValueError("a logits shift takes both rows and limits, or neither")
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class StepInputBuffers:
         # Copies that other ranks' buffers (threads of this process) queued from this host buffer,
         # by the device they copy to: this buffer is only writable again once they have read it.
         self._reader_copies: dict[torch.device, torch.cuda.Event] = {}
+        self._copy_slices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def copy_start(self) -> int:
@@ -130,8 +137,9 @@ class StepInputBuffers:
                       shift: LogitsShift | None = None, num_logits: int = 0) -> None:
         """After the step's copy, on the device: spreads its packed ``table_shape`` block tables
         into their rows (:meth:`unpack_block_tables`); where ``previous`` (tokens still on the
-        device) is given, sets each of the first ``num_tokens`` inputs whose ``token_sources`` entry
-        is >= 0 to that entry of ``previous``; and moves the first ``num_logits`` logits rows by
+        device, 1-D or rows of them) is given, sets each of the first ``num_tokens`` inputs whose
+        ``token_sources`` entry is >= 0 to that entry of ``previous`` flattened, clamped at 0 (-1
+        marks an entry without a token, read only where the input is recomputed later); and moves the first ``num_logits`` logits rows by
         ``shift``. One kernel launch on CUDA (:mod:`novainfer.worker.input_ops`), these torch
         operations elsewhere."""
         if self.device.type == "cuda":
@@ -143,9 +151,12 @@ class StepInputBuffers:
         views = self.device_views
         if previous is not None:
             sources, input_ids = views["token_sources"][:num_tokens], views["input_ids"][:num_tokens]
-            input_ids.copy_(torch.where(sources >= 0, previous[sources.clamp(min=0)], input_ids))
+            taken = previous.reshape(-1)[sources.clamp(min=0)].clamp(min=0)
+            input_ids.copy_(torch.where(sources >= 0, taken, input_ids))
         if shift is not None:
-            views["logits_indices"][:num_logits].add_(torch.minimum(shift.counts[shift.rows] - 1, shift.limits))
+            moves = (shift.counts[:num_logits] - 1 if shift.rows is None
+                     else torch.minimum(shift.counts[shift.rows] - 1, shift.limits))
+            views["logits_indices"][:num_logits].add_(moves)
 
     def warm_up(self) -> None:
         """Compiles what :meth:`finish_inputs` launches on CUDA, so that no step waits for it."""
@@ -176,11 +187,24 @@ class StepInputBuffers:
         if source is not self and source.offsets != self.offsets:
             raise ValueError(f"cannot copy between step buffers of different layouts "
                              f"({source.capacity} and {self.capacity})")
-        part = slice(self.copy_start, num_bytes)
         if self._copy_done is not None:
-            self._device_bytes[part].copy_(source._host_bytes[part], non_blocking=True)
+            device_part, host_part = self._copy_parts(source, num_bytes)
+            device_part.copy_(host_part, non_blocking=True)
             self._copy_done.record()
             if source is not self:
                 source._reader_copies[self.device] = self._copy_done
         elif source is not self:
+            part = slice(self.copy_start, num_bytes)
             self._device_bytes[part].copy_(source._host_bytes[part])
+
+    def _copy_parts(self, source: StepInputBuffers, num_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device and host slices a copy up to ``num_bytes`` moves, rounded up to a whole
+        ``_COPY_GRANULE`` (a few bytes more to copy) so that few distinct slices exist, kept: each
+        slicing is a torch call of several microseconds on the step's critical path."""
+        end = min(-(-num_bytes // _COPY_GRANULE) * _COPY_GRANULE, self.nbytes)
+        key = (id(source), end)  # the kept slices hold ``source`` alive: its id stays its own
+        parts = self._copy_slices.get(key)
+        if parts is None:
+            part = slice(self.copy_start, end)
+            parts = self._copy_slices[key] = (self._device_bytes[part], source._host_bytes[part])
+        return parts

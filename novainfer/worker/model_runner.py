@@ -476,8 +476,8 @@ class ModelRunner:
         """Writes a step's inputs into the host staging buffer (no device work).
 
         ``block_tables`` is [num_seqs, n] with n >= every sequence's block count.
-        ``token_sources``: per input token, -1 or the row of ``previous_tokens`` (a device tensor)
-        that holds it, for tokens not sampled yet when the step is staged.
+        ``token_sources``: per input token, -1 or the entry of ``previous_tokens`` (a device tensor,
+        flattened) that holds it, for tokens not sampled yet when the step is staged.
         """
         max_query_len = int(query_lens.max())
         if allow_graph and max_query_len > 1 and self._runs_as_decode_rows(query_lens, start_pos):

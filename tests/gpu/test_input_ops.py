@@ -33,24 +33,36 @@ def _filled(seed: int) -> StepInputBuffers:
 @pytest.mark.parametrize("num_rows, width, num_tokens, num_logits", [
     (1, 1, 1, 1), (5, 7, 25, 5), (40, 70, 2500, 40), (0, 0, 3000, 0),  # the last: tokens only, past one block
 ])
-@pytest.mark.parametrize("with_previous, with_shift", [(False, False), (True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("with_previous, with_shift", [(False, False), ("1-D", False), ("rows", "rows"),
+                                                      (False, "rows"), ("rows", "own")])
 def test_the_kernel_finishes_inputs_as_the_torch_operations(num_rows, width, num_tokens, num_logits,
                                                              with_previous, with_shift):
+    """Previous tokens come 1-D (a step's sampled tokens) or as rows of a wider tensor holding -1
+    entries (a speculative step's emitted tokens, a column of counts before them), as the model
+    runner passes them; the views are taken on the device, so the kernel sees their strides."""
     expected = _filled(seed=num_tokens)
     generator = torch.Generator().manual_seed(1)
-    previous = torch.randint(0, 10**6, (50,), generator=generator) if with_previous else None
-    # The counts as a speculative step keeps them: a column of its packed results.
-    shift = LogitsShift(torch.randint(1, 6, (8, 6), generator=generator)[:, 0],
-                        torch.randint(0, 8, (num_logits,), generator=generator),
-                        torch.randint(0, 5, (num_logits,), generator=generator)) if with_shift else None
+    packed = torch.randint(-1, 10**6, (40, 6), generator=generator)  # counts, then 5 tokens per row
+    packed[:, 0] = torch.randint(1, 6, (40,), generator=generator)
+    packed[::2, 3:] = -1  # rows with fewer tokens than columns
+    rows = torch.randint(0, 40, (num_logits,), generator=generator)
+    limits = torch.randint(0, 5, (num_logits,), generator=generator)
     actual = StepInputBuffers(CAPACITY, torch.device(DEVICE))
     actual._device_bytes.copy_(expected._host_bytes)
-    expected.finish_inputs((num_rows, width), num_tokens, previous, shift, num_logits)
-    finish_step_inputs(actual.device_views, num_rows, width, num_tokens,
-                       None if previous is None else previous.to(DEVICE),
-                       None if shift is None else LogitsShift(*(t.to(DEVICE) for t in vars(shift).values())),
-                       num_logits)
-    assert torch.equal(actual._device_bytes.cpu(), expected._host_bytes)
+    results = {}
+    for where, buffers in (("cpu", expected), (DEVICE, actual)):
+        on = packed.to(where)
+        previous = {False: None, "1-D": on[:, 1:].flatten(), "rows": on[:, 1:]}[with_previous]
+        shift = {False: None, "rows": LogitsShift(on[:, 0], rows.to(where), limits.to(where)),
+                 "own": LogitsShift(on[:num_logits, 0])}[with_shift]
+        if buffers is expected:
+            buffers.finish_inputs((num_rows, width), num_tokens, previous, shift, num_logits)
+        else:
+            finish_step_inputs(buffers.device_views, num_rows, width, num_tokens, previous, shift, num_logits)
+        results[where if buffers is expected else "kernel"] = buffers._device_bytes.cpu()
+    assert torch.equal(results["kernel"], results["cpu"])
+    if with_previous and num_tokens > 1:  # the data cover inputs taken from -1 entries (taken as 0)
+        assert (packed[:, 1:].flatten()[expected.device_views["token_sources"][:num_tokens].clamp(min=0)] < 0).any()
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiled variants exist on a GPU only")
@@ -63,6 +75,7 @@ def test_warm_up_compiles_every_variant_steps_launch():
     buffers = StepInputBuffers(CAPACITY, torch.device(DEVICE))
     warm_up(buffers.device_views)
     compiled = variants()
-    test_the_kernel_finishes_inputs_as_the_torch_operations(5, 7, 25, 5, True, True)
-    test_the_kernel_finishes_inputs_as_the_torch_operations(40, 70, 2500, 40, False, False)
+    test_the_kernel_finishes_inputs_as_the_torch_operations(5, 7, 25, 5, "rows", "rows")
+    test_the_kernel_finishes_inputs_as_the_torch_operations(1, 1, 1, 1, "rows", "own")
+    test_the_kernel_finishes_inputs_as_the_torch_operations(40, 70, 2500, 40, "1-D", False)
     assert variants() == compiled
