@@ -207,17 +207,20 @@ def test_graphs_on_and_off_give_the_same_tokens_for_512_requests_under_continuou
 
 
 def _kernel_variants() -> dict[str, set[str]]:
-    """The compiled variants (specialization keys) of each attention and sampler kernel, on every device."""
+    """The compiled variants (specialization keys) of each attention, sampler and step-input kernel,
+    on every device."""
     decode_ops = importlib.import_module("novainfer.attention.ops.decode_attention")
     prefill_ops = importlib.import_module("novainfer.attention.ops.prefill_attention")
     sample_ops = importlib.import_module("novainfer.sample.ops")
     sample_topk = importlib.import_module("novainfer.sample.topk")
+    input_ops = importlib.import_module("novainfer.worker.input_ops")
     kernels = {"decode": decode_ops._decode_attention_kernel, "reduce": decode_ops._reduce_splits_kernel,
                "prefill": prefill_ops._prefill_attention_kernel, "draw": sample_ops._draw_kernel,
                "combine": sample_ops._combine_chunks_kernel, "candidates": sample_ops._draw_candidates_kernel,
                "noise": sample_ops._exponential_noise_kernel, "top_k_maxima": sample_topk._group_maxima_kernel,
                "top_k_threshold": sample_topk._row_threshold_kernel,
-               "top_k_collect": sample_topk._collect_candidates_kernel, "top_k_merge": sample_topk._top_k_merge_kernel}
+               "top_k_collect": sample_topk._collect_candidates_kernel, "top_k_merge": sample_topk._top_k_merge_kernel,
+               "finish_inputs": input_ops._finish_inputs_kernel}
     return {name: {str(key) for cache in kernel.device_caches.values() for key in cache[0]}
             for name, kernel in kernels.items()}
 
@@ -235,7 +238,7 @@ SAMPLING_SETTINGS = [
 def test_start_up_compiles_every_kernel_a_workload_launches(model_dir, dtype):
     """Eager steps beyond the captured bound, with few and many decodes of short and long contexts
     (so every split count), and every kind of sampling setting, alone and mixed in a step, launch
-    no attention or sampler kernel variant that start-up did not compile."""
+    no attention, sampler or step-input kernel variant that start-up did not compile."""
     llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048,
               max_cudagraph_capture_size=16, num_gpu_blocks_override=2048)
     compiled = _kernel_variants()
