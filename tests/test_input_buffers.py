@@ -70,3 +70,23 @@ def test_finish_inputs_takes_previous_tokens_and_shifts_logits_rows() -> None:
     buffers.host["logits_indices"][:3] = logits[:3]
     buffers.finish_inputs((0, 0), 0, None, LogitsShift(torch.from_numpy(counts)), 3)
     np.testing.assert_array_equal(buffers.device_views["logits_indices"][:3].numpy(), logits[:3] + counts - 1)
+
+
+def test_copy_parts_cover_the_step_and_follow_the_source() -> None:
+    """The slices a CUDA copy moves (kept between steps): from the start of the copied part to the
+    step's end rounded up to a granule, never past the buffer, from the named source's host side."""
+    from novainfer.worker import input_buffers
+
+    capacity = BufferCapacity(max_tokens=1024, max_seqs=8, max_blocks_per_seq=64)
+    own, driver = (StepInputBuffers(capacity, torch.device("cpu")) for _ in range(2))
+    granule = input_buffers._COPY_GRANULE
+    assert own.nbytes > own.copy_start + 2 * granule
+    for source in (own, driver, own):
+        for num_bytes in (own.copy_start + 1, own.copy_start + granule + 5, own.nbytes):
+            device_part, host_part = own._copy_parts(source, num_bytes)
+            end = min(-(-num_bytes // granule) * granule, own.nbytes)
+            assert device_part.data_ptr() == own._device_bytes.data_ptr() + own.copy_start
+            assert host_part.data_ptr() == source._host_bytes.data_ptr() + own.copy_start
+            assert device_part.numel() == host_part.numel() == end - own.copy_start >= num_bytes - own.copy_start
+            assert own._copy_parts(source, num_bytes)[0] is device_part  # kept
+    assert len(own._copy_slices) <= 3 and own._copy_source is own  # a new source dropped the old slices

@@ -8,7 +8,7 @@ captured graph keeps reading the same device addresses, so refilling the buffer 
 run it on new inputs. Growing a buffer moves it, so the owner must drop its graphs then.
 
 Block tables travel packed: the step's rows at its own width (its longest sequence's blocks),
-contiguous at the end of the copied part, and one device copy spreads them into the
+contiguous at the end of the copied part, and :meth:`StepInputBuffers.finish_inputs` spreads them into the
 ``block_tables`` rows the kernels read, which span ``max_blocks_per_seq`` (a 32k-token model's row
 is 8 KB: copied whole, the rows of a decode step of 256 short sequences were 2 MB, about 50 us
 of copy on the step's stream). Columns past a step's width keep older block ids, which no
@@ -112,7 +112,9 @@ class StepInputBuffers:
         # Copies that other ranks' buffers (threads of this process) queued from this host buffer,
         # by the device they copy to: this buffer is only writable again once they have read it.
         self._reader_copies: dict[torch.device, torch.cuda.Event] = {}
-        self._copy_slices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # The slices of copies from ``_copy_source`` (see :meth:`_copy_parts`), by end.
+        self._copy_source: StepInputBuffers | None = None
+        self._copy_slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def copy_start(self) -> int:
@@ -128,7 +130,8 @@ class StepInputBuffers:
 
     def unpack_block_tables(self, num_rows: int, width: int) -> None:
         """Spreads the packed ``[num_rows, width]`` block tables of the copied step into the rows of
-        ``block_tables`` on the device (one copy kernel, queued after the step's copy)."""
+        ``block_tables`` on the device, queued after the step's copy (the torch operations of
+        :meth:`finish_inputs`' first part)."""
         if num_rows and width:
             packed = self.device_views["packed_block_tables"][:num_rows * width].view(num_rows, width)
             self.device_views["block_tables"][:num_rows, :width].copy_(packed)
@@ -201,10 +204,11 @@ class StepInputBuffers:
         """The device and host slices a copy up to ``num_bytes`` moves, rounded up to a whole
         ``_COPY_GRANULE`` (a few bytes more to copy) so that few distinct slices exist, kept: each
         slicing is a torch call of several microseconds on the step's critical path."""
+        if self._copy_source is not source:  # another source (rare: a driver rank's grown buffers)
+            self._copy_source, self._copy_slices = source, {}
         end = min(-(-num_bytes // _COPY_GRANULE) * _COPY_GRANULE, self.nbytes)
-        key = (id(source), end)  # the kept slices hold ``source`` alive: its id stays its own
-        parts = self._copy_slices.get(key)
+        parts = self._copy_slices.get(end)
         if parts is None:
             part = slice(self.copy_start, end)
-            parts = self._copy_slices[key] = (self._device_bytes[part], source._host_bytes[part])
+            parts = self._copy_slices[end] = (self._device_bytes[part], source._host_bytes[part])
         return parts
