@@ -8,10 +8,10 @@ captured graph keeps reading the same device addresses, so refilling the buffer 
 run it on new inputs. Growing a buffer moves it, so the owner must drop its graphs then.
 
 Block tables travel packed: the step's rows at its own width (its longest sequence's blocks),
-contiguous at the end of the copied part, and :meth:`StepInputBuffers.finish_inputs` spreads them into the
-``block_tables`` rows the kernels read, which span ``max_blocks_per_seq`` (a 32k-token model's row
-is 8 KB: copied whole, the rows of a decode step of 256 short sequences were 2 MB, about 50 us
-of copy on the step's stream). Columns past a step's width keep older block ids, which no
+contiguous at the end of the copied part, and :meth:`StepInputBuffers.finish_inputs` spreads
+them into the ``block_tables`` rows the kernels read, which span ``max_blocks_per_seq`` (a
+32k-token model's row is 8 KB: copied whole, the rows of a decode step of 256 short sequences were
+2 MB, about 50 us of copy on the step's stream). Columns past a step's width keep older block ids, which no
 kernel reads: a sequence's blocks end within its width.
 """
 
@@ -142,9 +142,9 @@ class StepInputBuffers:
         into their rows (:meth:`unpack_block_tables`); where ``previous`` (tokens still on the
         device, 1-D or rows of them) is given, sets each of the first ``num_tokens`` inputs whose
         ``token_sources`` entry is >= 0 to that entry of ``previous`` flattened, clamped at 0 (-1
-        marks an entry without a token, read only where the input is recomputed later); and moves the first ``num_logits`` logits rows by
-        ``shift``. One kernel launch on CUDA (:mod:`novainfer.worker.input_ops`), these torch
-        operations elsewhere."""
+        marks an entry without a token, read only where the input is recomputed later); and moves
+        the first ``num_logits`` logits rows by ``shift``. One kernel launch on CUDA
+        (:mod:`novainfer.worker.input_ops`), these torch operations elsewhere."""
         if self.device.type == "cuda":
             from novainfer.worker.input_ops import finish_step_inputs
 

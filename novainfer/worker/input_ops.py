@@ -27,8 +27,8 @@ _BLOCK = 1024
                                "previous_stride", "num_tokens", "counts_stride", "num_logits"],
             do_not_specialize_on_alignment=["previous_ptr", "counts_ptr", "rows_ptr", "limits_ptr"])
 def _finish_inputs_kernel(packed_ptr, tables_ptr, table_stride, num_table_entries, width,
-                          input_ids_ptr, sources_ptr, previous_ptr, previous_width, previous_row_stride, previous_stride,
-                          num_tokens,
+                          input_ids_ptr, sources_ptr, previous_ptr, previous_width, previous_row_stride,
+                          previous_stride, num_tokens,
                           logits_ptr, counts_ptr, counts_stride, rows_ptr, limits_ptr, num_logits,
                           HAS_PREVIOUS: tl.constexpr, HAS_SHIFT: tl.constexpr, SHIFT_ROWS: tl.constexpr,
                           BLOCK: tl.constexpr):
