@@ -31,6 +31,7 @@ class _PaddedGroup:
     mask: torch.Tensor  # [B, 1, 1, max_q, max_ctx] True where query i may attend key j
     num_seqs: int
     max_q: int
+    all_tokens: bool  # token_index is every token of the step, in order
 
 
 def _build_group(metadata: AttentionMetadata, all_query_lens: np.ndarray, all_seq_lens: np.ndarray,
@@ -41,6 +42,7 @@ def _build_group(metadata: AttentionMetadata, all_query_lens: np.ndarray, all_se
     num_seqs, max_q, max_ctx = len(seqs), int(query_lens_np.max()), max(int(seq_lens_np.max()), 1)
     starts_np = np.concatenate(([0], np.cumsum(all_query_lens)[:-1]))[seqs]
     token_index_np = np.concatenate([np.arange(s, s + q) for s, q in zip(starts_np, query_lens_np)])
+    num_tokens = len(token_index_np)
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens_np)
     index_in_seq = np.arange(len(token_index_np)) - np.repeat(np.cumsum(query_lens_np) - query_lens_np, query_lens_np)
     token_to_padded_np = seq_of_token * max_q + index_in_seq
@@ -59,8 +61,9 @@ def _build_group(metadata: AttentionMetadata, all_query_lens: np.ndarray, all_se
     in_seq = positions[None, None, :] < seq_lens[:, None, None]
     # Padded query rows (i >= query_len) still see key 0, so softmax never divides by zero.
     mask = (causal & in_seq) | (positions[None, None, :] == 0)
+    all_tokens = len(token_index_np) == metadata.num_tokens and bool((token_index_np == np.arange(num_tokens)).all())
     return _PaddedGroup(torch.from_numpy(token_index_np).to(device), torch.from_numpy(token_to_padded_np).to(device),
-                        key_slots, mask[:, None, None], num_seqs, max_q)
+                        key_slots, mask[:, None, None], num_seqs, max_q, all_tokens)
 
 
 def _similar_size_groups(seqs: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
@@ -125,19 +128,30 @@ class TorchReferenceBackend(AttentionBackend):
         flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
         flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
-        num_heads = query.shape[1]
+        if plan.stored_rows is None and plan.groups and plan.groups[0].all_tokens:  # one group of every token
+            return self._attend_group(plan.groups[0], query, flat_k, flat_v, scale).to(query.dtype)
         # Padding tokens of a captured step belong to no sequence: their rows stay zero.
         out = torch.empty_like(query) if plan.stored_rows is None else torch.zeros_like(query)
         for group in plan.groups:
-            keys = flat_k[group.key_slots].float()  # [B, max_ctx, Hkv, D]
-            values = flat_v[group.key_slots].float()
-            padded_q = query.new_zeros(group.num_seqs * group.max_q, num_heads, head_size, dtype=torch.float32)
-            padded_q[group.token_to_padded] = query[group.token_index].float()
-            padded_q = padded_q.view(group.num_seqs, group.max_q, num_heads, head_size)
-            result = self._attend(padded_q, keys, values, group.mask, scale)
-            result = result.reshape(group.num_seqs * group.max_q, num_heads, head_size)[group.token_to_padded]
-            out[group.token_index] = result.to(query.dtype)
+            out[group.token_index] = self._attend_group(group, query, flat_k, flat_v, scale).to(query.dtype)
         return out
+
+    def _attend_group(self, group: _PaddedGroup, query: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        """Attention of ``group``'s query rows (in its ``token_index`` order), in float32."""
+        num_heads, head_size = query.shape[1], query.shape[2]
+        keys = flat_k[group.key_slots].float()  # [B, max_ctx, Hkv, D]
+        values = flat_v[group.key_slots].float()
+        rows = query if group.all_tokens else query[group.token_index]
+        if group.max_q == 1:  # one query per sequence (decodes): nothing to pad
+            padded_q = rows.float().unsqueeze(1)
+        else:
+            padded_q = query.new_zeros(group.num_seqs * group.max_q, num_heads, head_size, dtype=torch.float32)
+            padded_q[group.token_to_padded] = rows.float()
+            padded_q = padded_q.view(group.num_seqs, group.max_q, num_heads, head_size)
+        result = self._attend(padded_q, keys, values, group.mask, scale)
+        result = result.reshape(group.num_seqs * group.max_q, num_heads, head_size)
+        return result if group.max_q == 1 else result[group.token_to_padded]
 
     @staticmethod
     def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
