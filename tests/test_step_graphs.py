@@ -158,16 +158,45 @@ SAMPLING = {
 }
 
 
+def test_steps_beyond_the_capture_bound_stage_in_eager_buffers_reserved_up_front(emulated_graphs):
+    """The graphs' buffers hold ``max_cudagraph_capture_size`` tokens (what every step copies); the
+    larger steps the scheduler may make get buffers of their own at the same time, so that no step
+    allocates any, and both give the eager reference's logits."""
+    runner = make_runner(tiny_model(), block_size=4, num_blocks=512)
+    runner.model_config.max_cudagraph_capture_size = 16
+    runner.capture_model(max_num_seqs=4, max_num_tokens=96)
+    captured, oversized = runner.buffers, runner._oversized_buffers
+    assert captured.capacity.max_tokens == 16 and oversized.capacity.max_tokens == 96
+    assert runner.max_step_tokens == 96 and captured.nbytes < oversized.nbytes
+    vocab = runner.model_config.vocab_size
+    prompts = random_prompts(vocab, [20, 21, 22, 23], seed=8)  # one step of 86 tokens
+    tables = block_tables_for([24] * 4, runner.block_size)
+    big_step = [SequenceInput(p, 0, t) for p, t in zip(prompts, tables)]
+    with torch.inference_mode():
+        staged = runner._stage(*runner._flatten(big_step))
+        assert staged.buffers is oversized and staged.graph_key is None
+        big = runner._compute_logits(runner._load(staged)).clone()
+    assert emulated_graphs == [] and runner.buffers is captured and runner._oversized_buffers is oversized
+    decodes = [SequenceInput([5], len(p), t) for p, t in zip(prompts, tables)]
+    small = runner.forward(decodes)
+    assert emulated_graphs == [GraphKey("decode", 4)] and runner.buffers is captured
+    reference = make_runner(tiny_model(), block_size=4, num_blocks=512)
+    torch.testing.assert_close(big, reference.forward(big_step), rtol=0, atol=LOGITS_ATOL)
+    torch.testing.assert_close(small, reference.forward(decodes), rtol=0, atol=LOGITS_ATOL)
+
+
 @pytest.mark.parametrize("sampling", sorted(SAMPLING))
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_engine_tokens_equal_with_emulated_graphs(request, sampling, async_scheduling):
+@pytest.mark.parametrize("capture_size", [32, 16])
+def test_engine_tokens_equal_with_emulated_graphs(request, sampling, async_scheduling, capture_size):
     """12 requests admitted as others finish (4 at a time), prompts chunked at 24 tokens: pure decode,
-    mixed and prefill steps, some larger than the 32-token graphs."""
+    mixed and prefill steps, some larger than the graphs (of up to 32 tokens; or 16, below the
+    step's token budget: the larger steps run from the eager steps' buffers)."""
     model = tiny_model()
     prompts = random_prompts(200, [3, 40, 9, 17, 26, 5, 33, 12, 8, 21, 30, 2], seed=9)
     params = [SAMPLING[sampling](i) for i in range(len(prompts))]
     engine = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=24,
-                  max_cudagraph_capture_size=32, async_scheduling=async_scheduling, block_size=4,
+                  max_cudagraph_capture_size=capture_size, async_scheduling=async_scheduling, block_size=4,
                   num_gpu_blocks_override=256)
 
     def run() -> list[list[int]]:
@@ -183,5 +212,5 @@ def test_engine_tokens_equal_with_emulated_graphs(request, sampling, async_sched
     assert run() == eager
     kinds = {key.kind for key in replayed}
     assert kinds == {"decode", "mixed"}, replayed
-    assert max(key.size for key in replayed) <= 32
+    assert max(key.size for key in replayed) <= capture_size
     assert np.mean([len(t) for t in eager]) >= 12

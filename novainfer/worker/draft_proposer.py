@@ -137,7 +137,7 @@ class DraftModelProposer:
         """Each request's share of ``query_lens`` that fits the draft's step buffers, in order: after
         steps it skipped, a request may lag by many tokens; one that does not fit catches up over
         the next steps, without drafts meanwhile."""
-        budget = self.runner.buffers.capacity.max_tokens
+        budget = self.runner.max_step_tokens
         return np.clip(budget - (np.cumsum(query_lens) - query_lens), 0, query_lens)
 
     def _newest_token_shift(self, step: SampledStep | None, states: list[CachedRequestState],

@@ -74,7 +74,9 @@ class StepInputBuffers:
     device only (:meth:`unpack_block_tables`); the copied part follows: token regions of
     ``max_tokens`` int64 entries, ``query_start_loc`` (int32, ``max_seqs + 1``), ``seq_lens`` (int32,
     ``max_seqs``) and ``packed_block_tables`` (int32, last, so that a step copies only what it
-    uses; see :meth:`stage_block_tables`). On CPU both sides share memory.
+    uses; see :meth:`stage_block_tables`). A step's copy spans every token region whole, so what it
+    costs grows with ``max_tokens`` (1.3 MB for 32k tokens): buffers that most steps use are best
+    sized for the steps they serve. On CPU both sides share memory.
     """
 
     def __init__(self, capacity: BufferCapacity, device: torch.device) -> None:

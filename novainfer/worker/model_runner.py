@@ -348,11 +348,33 @@ class ModelRunner:
 
     def reserve_step_buffers(self, max_num_seqs: int, max_num_tokens: int) -> None:
         """Sizes the step buffers for the largest step the scheduler can make, once: buffers that
-        grew later would move, and every graph reading them would have to go."""
-        capacity = BufferCapacity(max(max_num_tokens, max_num_seqs), max_num_seqs, self.max_blocks_per_seq)
-        if self.buffers is None or not self.buffers.capacity.covers(capacity):
+        grew later would move, and every graph reading them would have to go.
+
+        With CUDA graphs there are two: the graphs' own (``buffers``), for steps of up to
+        ``max_cudagraph_capture_size`` tokens, and the larger eager steps' (``_oversized_buffers``).
+        A step's copy spans its buffers' token regions whole (see :class:`StepInputBuffers`), so
+        the buffers most steps use are kept small: sized for a 32k-token context, they made every
+        step copy 1.3 MB, about 27 us of the device's time before each step could start."""
+        need = BufferCapacity(max(max_num_tokens, max_num_seqs), max_num_seqs, self.max_blocks_per_seq)
+        if not self.cuda_graphs_enabled:
+            if self.buffers is None or not self.buffers.capacity.covers(need):
+                self._clear_graphs()
+                self.buffers = StepInputBuffers(need, self.device)
+            return
+        captured = BufferCapacity(min(need.max_tokens, self.model_config.max_cudagraph_capture_size), max_num_seqs,
+                                  self.max_blocks_per_seq)
+        if self.buffers is None or self.buffers.capacity != captured:
             self._clear_graphs()
-            self.buffers = StepInputBuffers(capacity, self.device)
+            if self.buffers is not None and self.buffers.capacity.covers(need):
+                self._oversized_buffers = self.buffers  # (a profiling step's, as large as any step)
+            self.buffers = StepInputBuffers(captured, self.device)
+        if not any(b is not None and b.capacity.covers(need) for b in (self.buffers, self._oversized_buffers)):
+            self._oversized_buffers = StepInputBuffers(need, self.device)
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens a step holds without growing any step buffers."""
+        return max(b.capacity.max_tokens for b in (self.buffers, self._oversized_buffers) if b is not None)
 
     @torch.inference_mode()
     def capture_model(self, max_num_seqs: int, max_num_tokens: int, chain_length: int = 0,
