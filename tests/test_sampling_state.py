@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from novainfer.sample import LogprobsTensors, Sampler, SamplingStateTable
-from novainfer.sample.state import RepeatedCopy, copy_to_device
+from novainfer.sample.state import copy_to_device
 from novainfer.sample.rng import row_keys, seed_lanes
 from novainfer.sample.sampler import apply_min_tokens, apply_penalties
 from novainfer.sampling_params import SamplingParams
@@ -235,20 +235,6 @@ def test_packed_copies_keep_each_array_and_align_it_to_16_bytes():
         for array, view in zip(arrays, views):
             assert view.data_ptr() % 16 == 0
             assert np.array_equal(view.numpy(), array) and view.numpy().dtype == array.dtype
-
-
-def test_a_repeated_copy_reuses_its_tensors_only_for_equal_arrays():
-    copy = RepeatedCopy(torch.device("cpu"))
-    index, counts = np.array([[0, 1, 2], [3, 4, 4]]), np.array([2, 1])
-    first = copy([index, counts])
-    assert copy([index.copy(), counts.copy()]) is first  # equal arrays: the same tensors, no copy
-    counts[1] = 2  # the caller refills its array: not the copied one
-    for arrays in ([index, counts], [index[:1], counts[:1]], [index, counts.astype(np.int32)], [index]):
-        got = copy(arrays)
-        assert got is not first and len(got) == len(arrays)
-        for array, tensor in zip(arrays, got):
-            assert np.array_equal(tensor.numpy(), array) and tensor.numpy().dtype == array.dtype
-        first = got
 
 
 def test_rows_beyond_the_table_grow_it_and_bad_sizes_raise():

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from novainfer.sample.state import RepeatedCopy
+from novainfer.sample.state import copy_to_device
 from novainfer.worker.input_buffers import LogitsShift
 from novainfer.worker.model_runner import DeviceDrafts
 
@@ -78,10 +78,6 @@ class DraftModelProposer:
         self.runner = draft_runner
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
-        # Each step's index arrays on the device, not copied again while they repeat.
-        self._shift_rows = RepeatedCopy(draft_runner.device)
-        self._first_rows = RepeatedCopy(draft_runner.device)
-        self._proposal_rows = RepeatedCopy(draft_runner.device)
 
     def chain_graphs(self, max_num_seqs: int) -> dict[str, int]:
         """What the draft runner captures for the proposals (``ModelRunner.capture_model``'s chain
@@ -155,7 +151,7 @@ class DraftModelProposer:
         step_rows = np.fromiter((step.rows[s.req_id] for s in states), np.int64, len(states))
         if _is_identity(step_rows, len(step_rows)) and (num_computed_new >= may_get).all():
             return LogitsShift(step.device_num_tokens)  # each row its request's, whatever it got computed
-        rows_d, limits_d = self._shift_rows([step_rows, num_computed_new - 1])
+        rows_d, limits_d = copy_to_device([step_rows, num_computed_new - 1], self.runner.device)
         return LogitsShift(step.device_num_tokens, rows_d, limits_d)
 
     @staticmethod
@@ -193,7 +189,7 @@ class DraftModelProposer:
             first_rows = catch_up.first_rows[proposing]
             first = catch_up.tokens
             if not _is_identity(first_rows, len(first)):  # some kept argmax does not propose
-                (index_d,) = self._first_rows([first_rows])
+                (index_d,) = copy_to_device([first_rows], first.device)
                 first = first.index_select(0, index_d)
         proposing_states = [states[i] for i in proposing.tolist()]
         drafts = self._propose(target, proposing_states, now_known[proposing], num_drafts, first)
@@ -203,7 +199,7 @@ class DraftModelProposer:
                            len(sampled_req_ids))
         counts = np.append(num_drafts, 0)[rows]
         if not _is_identity(rows, len(drafts)):
-            (rows_d,) = self._proposal_rows([rows])
+            (rows_d,) = copy_to_device([rows], self.runner.device)
             drafts = torch.cat([drafts, self._empty_rows(1)]).index_select(0, rows_d)
         return DeviceDrafts(list(sampled_req_ids), counts.tolist(), drafts)
 

@@ -37,7 +37,7 @@ from novainfer.sample.rejection_sampler import (RejectionSamplerOutput, add_prec
                                                 greedy_verify, greedy_verify_rows, rejection_sample)
 from novainfer.sample.sampler import (LogprobsTensors, apply_min_tokens, apply_penalties, exponential_draws,
                                       gather_logprobs, greedy_with_logprobs, sampling_probs)
-from novainfer.sample.state import RepeatedCopy, copy_to_device
+from novainfer.sample.state import copy_to_device
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graphs import GraphKey, StepGraphs, cudagraph_capture_sizes
 from novainfer.worker.input_buffers import BufferCapacity, LogitsShift, StepInputBuffers
@@ -296,9 +296,6 @@ class ModelRunner:
         # The captured steps' metadata: its backend data (e.g. split-K workspaces) must live as
         # long as the graphs that use it.
         self._graph_metadata: dict[GraphKey, AttentionMetadata] = {}
-        # A verification's rows, counts and proposal rows on the device (the same step after step
-        # while its batch keeps its requests and drafts).
-        self._verify_indices = RepeatedCopy(device)
         # An LM head split over the vocabulary: steps end with each rank's logits of its range,
         # gathered afterwards, or reduced to the greedy tokens without gathering the logits.
         self._split_lm_head: ParallelLMHead | None = None
@@ -1014,7 +1011,7 @@ class ModelRunner:
                                                                           self.device)
         else:
             rows_np = np.fromiter((device_drafts.rows.get(s.req_id, 0) for s in sampling), np.int64, len(sampling))
-            index, num_drafts_d, proposal_rows = self._verify_indices([index_np, counts - 1, rows_np])
+            index, num_drafts_d, proposal_rows = copy_to_device([index_np, counts - 1, rows_np], self.device)
             proposals = device_drafts.token_ids
         if plain_greedy:
             packed, last = greedy_verify_rows(self._greedy_tokens(head_output), index, proposals, proposal_rows,
