@@ -244,13 +244,13 @@ def get_tiny_model_dir(arch: str = "qwen2", **overrides: Any) -> Path:
                       lambda tmp: write_random_model(tmp, arch=arch, **overrides))
 
 
-def write_once(target: Path, write: Callable[[Path], object]) -> Path:
-    """``target``, first filled by ``write(directory)`` unless it already holds a ``config.json``.
+def write_once(target: Path, write: Callable[[Path], object], marker: str = "config.json") -> Path:
+    """``target``, first filled by ``write(directory)`` unless it already holds a file ``marker``.
 
     Writing goes to a temporary directory that is renamed into place, so concurrent callers never
     see a half-written model and an interrupted write leaves nothing that looks complete.
     """
-    if (target / "config.json").is_file():
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -259,7 +259,7 @@ def write_once(target: Path, write: Callable[[Path], object]) -> Path:
         try:
             os.rename(tmp, target)
         except OSError:  # another caller finished first
-            if not (target / "config.json").is_file():
+            if not (target / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

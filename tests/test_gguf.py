@@ -8,6 +8,7 @@ way llama.cpp's converter writes them.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -19,8 +20,10 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from novainfer import LLM, SamplingParams
 from novainfer.config import ModelConfig, preferred_dtype
-from novainfer.model_loader.gguf import GGUFError, iterate_gguf_weights
+from novainfer.model_loader import gguf as gguf_module
+from novainfer.model_loader.gguf import GGUFError, iterate_gguf_weights, load_gguf_config
 from novainfer.models.registry import ModelRegistry
+from novainfer import tokenizer as tokenizer_module
 from novainfer.tokenizer import get_tokenizer
 from tests.gguf_utils import hf_state_dict, write_gguf, write_tiny_llama
 from tests.utils import SMALL_KV, hf_greedy, random_ids, tiny_model
@@ -138,6 +141,57 @@ def test_tokenizer_and_chat_template_from_metadata(hf_dirs, gguf_file):
     assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     assert ours.eos_token_id == reference.eos_token_id
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_derived_config_is_kept_and_loads_as_derived(gguf_file, arch, tmp_path, monkeypatch):
+    path = gguf_file(arch, Q.Q8_0)
+    monkeypatch.setenv("NOVAINFER_CACHE", str(tmp_path / "cache"))
+    derived = gguf_module.GGUFCheckpoint(path).hf_config()
+    parses = []
+    checkpoint = gguf_module.GGUFCheckpoint
+    monkeypatch.setattr(gguf_module, "GGUFCheckpoint", lambda p: parses.append(p) or checkpoint(p))
+    first, second = load_gguf_config(path), load_gguf_config(path)
+    assert len(parses) == 1  # the second load reads the cache, not the file's metadata
+    for config in (first, second):
+        assert type(config) is type(derived) and config.to_dict() == derived.to_dict()
+
+
+def test_a_converted_tokenizer_is_kept_and_loads_as_a_fresh_conversion(gguf_file, tmp_path, monkeypatch):
+    """The first load converts the file's tokenizer and keeps it in the cache; later loads read it
+    from there (no conversion) and give what a fresh conversion gives; a changed file is converted
+    anew; without a writable cache the tokenizer is converted in place."""
+    path = gguf_file("qwen2", Q.F32)
+    monkeypatch.setenv("NOVAINFER_CACHE", str(tmp_path / "cache"))
+    conversions = []
+    convert = tokenizer_module._convert_gguf_tokenizer
+    monkeypatch.setattr(tokenizer_module, "_convert_gguf_tokenizer", lambda p: conversions.append(p) or convert(p))
+    first, second = get_tokenizer(path), get_tokenizer(path)
+    assert len(conversions) == 1
+    fresh = convert(path)
+    texts = ["Hello, world!", "你好，世界！", "<|im_start|>user\nhi<|im_end|>", "  two  spaces\n\n"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    for tok in (first, second):
+        for text in texts:
+            ids = tok.encode(text)
+            assert ids == fresh.encode(text) and tok.decode(ids) == fresh.decode(ids)
+            assert tok.encode(text, add_special_tokens=False) == fresh.encode(text, add_special_tokens=False)
+        assert (tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                == fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        assert (tok.eos_token_id, tok.bos_token_id, tok.all_special_ids) == (fresh.eos_token_id, fresh.bos_token_id,
+                                                                            fresh.all_special_ids)
+    entries = list((tmp_path / "cache" / "gguf").iterdir())
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    get_tokenizer(path)
+    assert len(conversions) == 2
+    # The changed file's entry replaced the old one's.
+    assert [e for e in (tmp_path / "cache" / "gguf").iterdir()] != entries
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("NOVAINFER_CACHE", str(blocker / "cache"))  # under a file: cannot be created
+    assert get_tokenizer(path).encode(texts[0]) == fresh.encode(texts[0]) and len(conversions) == 3
 
 
 def _greedy_parity(path: Path, prompts: list[list[int]], max_tokens: int, reference: Path | None = None,
