@@ -4,7 +4,9 @@ Each run is a new process, as a user's is: ``LLM(model)`` constructed in ``pytho
 the interpreter's first line to the engine ready, and the process's whole wall time), and ``novainfer
 serve`` polled until ``/health`` answers 200. Runs use a NovaInfer cache of their own (a temporary
 ``NOVAINFER_CACHE``): the first run of each kind starts with it empty (what a first start pays), the
-later ones find what the earlier ones kept there (a GGUF file's derived config and tokenizer).
+later ones find what the earlier ones kept there (a GGUF file's derived config and tokenizer). The
+processes import the package Python finds first from the current directory: to time another
+checkout, run this script from that checkout's directory.
 
     python benchmarks/startup.py                       # the built-in SmolLM2 on CPU
     python benchmarks/startup.py --model tiny --repeats 2
