@@ -157,6 +157,25 @@ def test_a_derived_config_is_kept_and_loads_as_derived(gguf_file, arch, tmp_path
         assert type(config) is type(derived) and config.to_dict() == derived.to_dict()
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.BF16, Q.Q4_1], ids=["F32", "BF16", "Q4_1"])
+def test_a_kept_tensor_index_loads_the_same_weights_without_parsing(gguf_file, qtype, tmp_path, monkeypatch):
+    """The first load of a file's weights keeps where its tensors lie; the next maps them from there
+    without parsing the metadata, and both give the weights the parsed file gives."""
+    path = gguf_file("llama", qtype)
+    monkeypatch.setenv("NOVAINFER_CACHE", str(tmp_path / "cache"))
+    expected = {name: tensor for name, tensor in gguf_module._weights_of_index(
+        path, gguf_module.GGUFCheckpoint(path).tensor_index())}
+    parses = []
+    checkpoint = gguf_module.GGUFCheckpoint
+    monkeypatch.setattr(gguf_module, "GGUFCheckpoint", lambda p: parses.append(p) or checkpoint(p))
+    for load in range(2):
+        loaded = dict(iterate_gguf_weights(path))
+        assert len(parses) == 1  # only the first load parsed the file
+        assert loaded.keys() == expected.keys()
+        for name, tensor in loaded.items():
+            assert torch.equal(tensor, expected[name]), (load, name)
+
+
 def test_a_converted_tokenizer_is_kept_and_loads_as_a_fresh_conversion(gguf_file, tmp_path, monkeypatch):
     """The first load converts the file's tokenizer and keeps it in the cache; later loads read it
     from there (no conversion) and give what a fresh conversion gives; a changed file is converted

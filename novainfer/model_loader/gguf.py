@@ -265,22 +265,36 @@ class GGUFCheckpoint:
             return None
         return _FLOAT_TENSOR_DTYPES[types.pop()] if len(types) == 1 else "float32"
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields ``(hf_name, float32 tensor)`` for each tensor, dequantized one at a time."""
-        from gguf.quants import dequantize
+    def tensor_index(self) -> dict[str, Any]:
+        """What loading the weights needs of the file, as JSON: each parameter tensor's name, type, and
+        the offset, dtype and shape of its data in the file (see :func:`iterate_gguf_weights`)."""
+        tensors = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
+                    "dtype": t.data.dtype.str, "shape": list(t.data.shape)}
+                   for t in self.reader.tensors if t.name != ROPE_FACTORS_TENSOR]  # part of the config
+        return {"architecture": self.architecture, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                "tensors": tensors}
 
-        for tensor in self.reader.tensors:
-            if tensor.name == ROPE_FACTORS_TENSOR:  # part of the config, not a parameter
-                continue
-            array = dequantize(tensor.data, tensor.tensor_type)
-            if not array.flags.writeable:  # float32 tensors come back as views of the mapped file
-                array = np.array(array)
-            weight = torch.from_numpy(array)
-            if self.spec.interleaved_qk_rows and ".attn_q." in tensor.name:
-                weight = _uninterleave_rotary_rows(weight, self.num_heads)
-            elif self.spec.interleaved_qk_rows and ".attn_k." in tensor.name:
-                weight = _uninterleave_rotary_rows(weight, self.num_kv_heads)
-            yield hf_tensor_name(tensor.name), weight
+
+def _weights_of_index(path: Path, index: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(hf_name, float32 tensor)`` for each tensor of ``index``, read from the mapped file
+    and dequantized one at a time."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    spec = SUPPORTED_ARCHITECTURES[index["architecture"]]
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    for tensor in index["tensors"]:
+        dtype, shape = np.dtype(tensor["dtype"]), tensor["shape"]
+        data = mapped[tensor["offset"]:tensor["offset"] + int(np.prod(shape)) * dtype.itemsize].view(dtype)
+        array = dequantize(data.reshape(shape), GGMLQuantizationType(tensor["type"]))
+        if not array.flags.writeable:  # float32 tensors come back as views of the mapped file
+            array = np.array(array)
+        weight = torch.from_numpy(array)
+        if spec.interleaved_qk_rows and ".attn_q." in tensor["name"]:
+            weight = _uninterleave_rotary_rows(weight, index["num_heads"])
+        elif spec.interleaved_qk_rows and ".attn_k." in tensor["name"]:
+            weight = _uninterleave_rotary_rows(weight, index["num_kv_heads"])
+        yield hf_tensor_name(tensor["name"]), weight
 
 
 def _llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
@@ -365,8 +379,22 @@ def load_gguf_config(path: str | os.PathLike) -> PretrainedConfig:
 
 
 def iterate_gguf_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(hf_name, tensor)`` for every tensor of a GGUF file, one dequantized tensor at a time."""
+    """Yields ``(hf_name, tensor)`` for every tensor of a GGUF file, one dequantized tensor at a time.
+
+    Where each tensor's data lies in the file is kept in the cache beside the derived config (see
+    :func:`derived_once`), so that a later start maps the tensors without parsing the metadata."""
+    path = Path(path)
+
+    def write(directory: Path) -> None:
+        (directory / "tensors.json").write_text(json.dumps(GGUFCheckpoint(path).tensor_index()))
+
     try:
-        yield from GGUFCheckpoint(path).weights()
+        try:
+            index_file = derived_once(path, "tensors", write, marker="tensors.json") / "tensors.json"
+        except OSError:  # a missing file, or no writable cache: indexed here, as every time
+            index = GGUFCheckpoint(path).tensor_index()
+        else:
+            index = json.loads(index_file.read_text())
+        yield from _weights_of_index(path, index)
     finally:
         _open_reader.cache_clear()  # the weights are the last reader of the file
