@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 from novainfer.model_loader.gguf import derived_once, is_gguf_file
-
-logger = logging.getLogger(__name__)
 
 
 def get_tokenizer(path: str | os.PathLike):
@@ -20,11 +17,9 @@ def get_tokenizer(path: str | os.PathLike):
     path = Path(path)
     if not is_gguf_file(path):
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    try:
-        directory = derived_once(path, "tokenizer", lambda d: _convert_gguf_tokenizer(path).save_pretrained(d),
-                                 marker="tokenizer_config.json")
-    except OSError as exc:  # no writable cache: converted here, as every time
-        logger.warning("could not keep the tokenizer of %s in the cache (%s); converting it again", path.name, exc)
+    directory = derived_once(path, "tokenizer", lambda d: _convert_gguf_tokenizer(path).save_pretrained(d),
+                             marker="tokenizer_config.json")
+    if directory is None:
         return _convert_gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 

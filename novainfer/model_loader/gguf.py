@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ from novainfer.tiny_model import cache_root, write_once
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 
@@ -319,29 +322,36 @@ def _uninterleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Ten
             .transpose(1, 2).reshape(weight.shape))
 
 
-def derived_once(path: Path, kind: str, write: Callable[[Path], object], marker: str) -> Path:
+def derived_once(path: Path, kind: str, write: Callable[[Path], object], marker: str) -> Path | None:
     """A directory under the NovaInfer cache that ``write(directory)`` filled once with what is
-    derived from the GGUF file ``path``'s metadata (``kind``: its config, its tokenizer), keyed by the
-    file (path, size, modification time) and the transformers version that derived it.
+    derived from the GGUF file ``path`` (``kind``: its config, its tokenizer, its tensor index),
+    keyed by the file (path, size, modification time) and the transformers version that derived it;
+    None where there is no such file (the caller's checkpoint names the error) or the cache cannot be
+    written (the caller derives in place, as every time).
 
     Deriving parses the metadata, vocabulary and merge list included: 2.4 s for SmolLM2's file on a
     CPU with the gguf package, and transformers' tokenizer conversion parses it again, each time a
-    process loads the model (a server's API process and its engine core each did). Raises OSError
-    where the cache cannot be written."""
+    process loads the model (a server's API process and its engine core each did)."""
     import transformers
 
+    if not path.is_file():
+        return None
     stat = path.stat()
     source = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
               "transformers": transformers.__version__}
     key = hashlib.sha256(json.dumps(source).encode()).hexdigest()[:16]
     entry = cache_root() / "gguf" / f"{path.stem}-{key}"
-    if not (entry / kind / marker).is_file():
-        _drop_stale_derivations(entry.parent)
-        entry.mkdir(parents=True, exist_ok=True)
-        written = entry / f".source-{os.getpid()}.json"  # renamed into place: never read half-written
-        written.write_text(json.dumps(source))
-        os.replace(written, entry / "source.json")
-    return write_once(entry / kind, write, marker=marker)
+    try:
+        if not (entry / kind / marker).is_file():
+            _drop_stale_derivations(entry.parent)
+            entry.mkdir(parents=True, exist_ok=True)
+            written = entry / f".source-{os.getpid()}.json"  # renamed into place: never read half-written
+            written.write_text(json.dumps(source))
+            os.replace(written, entry / "source.json")
+        return write_once(entry / kind, write, marker=marker)
+    except OSError as exc:
+        logger.warning("could not keep the %s of %s in the cache (%s); deriving it again", kind, path.name, exc)
+        return None
 
 
 def _drop_stale_derivations(root: Path) -> None:
@@ -368,10 +378,9 @@ def load_gguf_config(path: str | os.PathLike) -> PretrainedConfig:
     from transformers import AutoConfig
 
     path = Path(path)
-    try:
-        directory = derived_once(path, "config", lambda d: GGUFCheckpoint(path).hf_config().save_pretrained(d),
-                                 marker="config.json")
-    except OSError:  # a missing file, or no writable cache: derived here, as every time
+    directory = derived_once(path, "config", lambda d: GGUFCheckpoint(path).hf_config().save_pretrained(d),
+                             marker="config.json")
+    if directory is None:
         return GGUFCheckpoint(path).hf_config()
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     config.name_or_path = ""  # as derived: the cache directory is no name of the model
@@ -389,12 +398,9 @@ def iterate_gguf_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.T
         (directory / "tensors.json").write_text(json.dumps(GGUFCheckpoint(path).tensor_index()))
 
     try:
-        try:
-            index_file = derived_once(path, "tensors", write, marker="tensors.json") / "tensors.json"
-        except OSError:  # a missing file, or no writable cache: indexed here, as every time
-            index = GGUFCheckpoint(path).tensor_index()
-        else:
-            index = json.loads(index_file.read_text())
+        directory = derived_once(path, "tensors", write, marker="tensors.json")
+        index = (GGUFCheckpoint(path).tensor_index() if directory is None
+                 else json.loads((directory / "tensors.json").read_text()))
         yield from _weights_of_index(path, index)
     finally:
         _open_reader.cache_clear()  # the weights are the last reader of the file
