@@ -14,7 +14,7 @@ import pytest
 
 from novainfer import LLM, SamplingParams
 from novainfer.engine.arg_utils import EngineArgs
-from novainfer.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from novainfer.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, StreamGroup
 from novainfer.entrypoints.cli.main import build_parser
 from novainfer.entrypoints.cli.serve import server_config_from
 from novainfer.entrypoints.openai.admission import AdmissionController, AdmissionLimits
@@ -119,6 +119,58 @@ def test_async_engine_validation_error_and_abort_frees_blocks():
         engine.shutdown()
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
     assert stats.finished_requests_total["abort"] == 1
+
+
+def test_stream_group_gives_one_reader_every_stream_with_news_per_wake_up(offline):
+    """The streams of a group are read by one reader: each wake-up yields every stream that moved
+    (at most once each), the deltas of each stream concatenate to its offline output, and what came
+    before the group existed is not lost."""
+    prompts = ["Tell me about ducks", "Hello number 3", "The weather today is"]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=1,
+                             output_kind=RequestOutputKind.DELTA) for i in range(3)]
+    expected = [o.outputs[0] for o in offline.generate(prompts, params, use_tqdm=False)]
+    engine = make_engine()
+
+    async def main():
+        streams = [await engine.add_request(f"g{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        while not all(s.has_news() for s in streams):  # outputs that come before the group exists
+            await asyncio.sleep(0.005)
+        return [batch async for batch in StreamGroup(streams).batches()]
+
+    try:
+        batches = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(batches[0]) == 3  # the news of all three, in one wake-up
+    assert all(len({index for index, _ in batch}) == len(batch) for batch in batches)
+    for index, exp in enumerate(expected):
+        outputs = [output.outputs[0] for batch in batches for i, output in batch if i == index]
+        assert "".join(c.text for c in outputs) == exp.text
+        assert [t for c in outputs for t in c.token_ids] == exp.token_ids
+        assert [p for c in outputs for p in c.logprobs] == list(exp.logprobs)
+
+
+def test_leaving_a_stream_group_early_aborts_its_unfinished_streams():
+    engine = make_engine()
+
+    async def main():
+        params = SamplingParams(max_tokens=1000, ignore_eos=True)
+        streams = [await engine.add_request(f"long{i}", "Hello", params) for i in range(3)]
+        async for _ in StreamGroup(streams).batches():
+            break
+        for _ in range(200):
+            stats = engine.get_stats()
+            if stats.num_running_reqs == 0 and stats.kv_cache_usage == 0:
+                break
+            await asyncio.sleep(0.01)
+        return engine.get_stats()
+
+    try:
+        stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
+    assert stats.finished_requests_total["abort"] == 3
 
 
 def _break_after(engine: AsyncLLMEngine, num_steps: int) -> None:

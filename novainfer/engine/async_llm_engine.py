@@ -43,7 +43,7 @@ from novainfer.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineLoad", "MIN_STEP_S_ENV", "RequestStream",
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineLoad", "MIN_STEP_S_ENV", "RequestStream", "StreamGroup",
            "TEST_STALL_FILE_ENV"]
 
 # How often the event loop looks whether the core still lives (a killed core sends nothing).
@@ -69,6 +69,7 @@ class RequestStream:
     An output is built when the reader asks for it, not at every step: a reader that falls behind
     the engine (a busy event loop, a slow client) gets the tokens of several steps in one output,
     so serving cost per request follows the reader's pace instead of the engine's step rate.
+    Several streams read together (a request's prompts) go through one :class:`StreamGroup`.
 
     Leaving the iteration early (``break``, cancellation, an exception in the consumer) aborts
     the request in the engine, so a vanished client never keeps generating.
@@ -79,53 +80,105 @@ class RequestStream:
         self._engine = engine
         self._ready = False  # the engine has something new for this request
         self._final: RequestOutput | BaseException | None = None  # handed over by an abort or a failure
-        self._waiter: asyncio.Future[None] | None = None
+        self._group: StreamGroup | None = None  # whose reader it wakes
+        self._index = 0  # its place in the group
         self.finished = False
 
     def notify(self) -> None:
         """The engine has new outputs for this request (called on the event loop)."""
-        self._ready = True
-        self._wake()
+        if not self._ready:
+            self._ready = True
+            self._signal()
 
     def put_final(self, item: RequestOutput | BaseException) -> None:
         """Ends the stream with ``item`` (an aborted request's last output, or the error)."""
         self._final = item
-        self._wake()
+        self._signal()
 
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+    def _signal(self) -> None:
+        if self._group is not None:
+            self._group.mark_ready(self._index)
+
+    def has_news(self) -> bool:
+        return self._ready or self._final is not None
+
+    def take(self) -> RequestOutput | None:
+        """What the reader gets now: the request's output since the last one, else the final item
+        handed over (raised if it is an error); None if there is nothing."""
+        output = self._engine.take_output(self.request_id) if self._ready else None
+        self._ready = False
+        if output is None:
+            output, self._final = self._final, None
+            if isinstance(output, BaseException):
+                self.finished = True
+                raise output
+        if output is not None:
+            self.finished = output.finished
+        return output
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                if not self._ready and self._final is None:
-                    self._waiter = asyncio.get_running_loop().create_future()
-                    await self._waiter
-                    self._waiter = None
-                output = self._engine.take_output(self.request_id) if self._ready else None
-                self._ready = False
-                if output is None:
-                    output, self._final = self._final, None
-                    if isinstance(output, BaseException):
-                        self.finished = True
-                        raise output
-                if output is None:
-                    continue
-                self.finished = output.finished
+        async for batch in StreamGroup([self]).batches():
+            for _, output in batch:
                 yield output
-        finally:
-            if not self.finished:
-                self.finished = True
-                self._engine.abort(self.request_id)
 
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
             self._engine.abort(self.request_id)
+
+
+class StreamGroup:
+    """Request streams read by one reader (a request's prompts, or a single stream).
+
+    One waiter serves them all: the engine's step marks the streams it touched, and each wake-up of
+    the reader yields, in one batch, what every marked stream has. So a reader costs one task
+    resumption per step however many of its streams moved, and no task of its own per stream.
+    Leaving the iteration early aborts every stream not finished.
+    """
+
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams = streams
+        self._marked: list[int] = []  # streams with news, in the order they got it
+        self._waiter: asyncio.Future[None] | None = None
+        for index, stream in enumerate(streams):
+            stream._group, stream._index = self, index
+            if stream.has_news():  # came before the group existed
+                self._marked.append(index)
+
+    def mark_ready(self, index: int) -> None:
+        self._marked.append(index)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """Lists of (index of the stream, output) as outputs arrive, until every stream finished;
+        a stream's error is raised."""
+        streams = self.streams
+        num_open = sum(not stream.finished for stream in streams)
+        try:
+            while num_open:
+                if not self._marked:
+                    self._waiter = asyncio.get_running_loop().create_future()
+                    await self._waiter
+                    self._waiter = None
+                marked, self._marked = self._marked, []
+                batch = []
+                for index in (marked if len(marked) == 1 else dict.fromkeys(marked)):
+                    stream = streams[index]
+                    if stream.finished:
+                        continue
+                    output = stream.take()
+                    num_open -= stream.finished
+                    if output is not None:
+                        batch.append((index, output))
+                if batch:
+                    yield batch
+        finally:
+            for stream in streams:
+                stream.abort()
 
 
 class AsyncLLMEngine:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
@@ -13,8 +12,8 @@ from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.entrypoints.openai.logprobs import chat_logprobs
 from novainfer.entrypoints.openai.protocol import ChatCompletionChoice, ChatCompletionRequest, \
     ChatCompletionResponse, ChatMessage, ChatResponseMessage, UsageInfo
-from novainfer.entrypoints.openai.serving_common import GenerationHandler, ServerContext, Submission, \
-    check_before_tokenizing, check_lengths, principal_of, sampling_params
+from novainfer.entrypoints.openai.serving_common import GenerationHandler, ServerContext, check_before_tokenizing, \
+    check_lengths, principal_of, sampling_params
 from novainfer.entrypoints.openai.served_models import ServedModel
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
@@ -146,32 +145,26 @@ class ChatHandler(GenerationHandler):
         return ChatCompletionResponse(id=self.response_id, model=model.name, choices=choices, usage=usage,
                                       session_id=self.body.session_id)
 
-    async def _stream_choices(self, submission: Submission,
-                              finals: list[RequestOutput | None]) -> AsyncIterator[list[dict[str, Any]]]:
-        model = submission.model
-        n = self.body.n
-        yield [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-               for i in range(n)]
+    def _opening_choices(self) -> list[dict[str, Any]]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(self.body.n)]
+
+    def _stream_choices(self, model: ServedModel, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         keep_reply = self.body.session_id is not None
-        finished: set[int] = set()
-        async for _, output in self._outputs(submission, finals):
-            choices = []
-            for c in output.outputs:  # deltas: the tokens, logprobs and text new since the previous output
-                if c.index in finished:
-                    continue
-                logprobs = None
-                if self.top_logprobs is not None and c.logprobs is not None and len(c.logprobs) > 0:
-                    logprobs = chat_logprobs(c.token_ids, c.logprobs, self.top_logprobs, model.tokenizer)
-                if keep_reply and c.index == 0:
-                    self._streamed_reply.append(c.delta_text)
-                if c.delta_text or logprobs is not None:
-                    choices.append({"index": c.index, "delta": {"content": c.delta_text}, "logprobs": logprobs,
-                                    "finish_reason": None})
-                if c.finish_reason is not None:
-                    finished.add(c.index)
-                    choices.append({"index": c.index, "delta": {}, "logprobs": None,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            if choices:
-                yield choices
-        final = finals[0]
-        assert final is not None and final.finished
+        choices = []
+        for c in output.outputs:  # deltas: the tokens, logprobs and text new since the previous output
+            if c.index in self._finished:
+                continue
+            logprobs = None
+            if self.top_logprobs is not None and c.logprobs is not None and len(c.logprobs) > 0:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs, self.top_logprobs, model.tokenizer)
+            if keep_reply and c.index == 0:
+                self._streamed_reply.append(c.delta_text)
+            if c.delta_text or logprobs is not None:
+                choices.append({"index": c.index, "delta": {"content": c.delta_text}, "logprobs": logprobs,
+                                "finish_reason": None})
+            if c.finish_reason is not None:
+                self._finished.add(c.index)
+                choices.append({"index": c.index, "delta": {}, "logprobs": None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return choices

@@ -16,15 +16,15 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from novainfer.engine.async_llm_engine import EngineDeadError, RequestStream
+from novainfer.engine.async_llm_engine import EngineDeadError, RequestStream, StreamGroup
 from novainfer.entrypoints.openai.admission import AdmissionController, Ticket
 from novainfer.entrypoints.openai.errors import OpenAIError, error_body, param_from_message, request_id_of
 from novainfer.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from novainfer.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from novainfer.entrypoints.openai.served_models import ModelRegistry, ServedModel
 from novainfer.entrypoints.openai.sessions import RemoteSessionStore, SessionStore
-from novainfer.entrypoints.openai.streaming import SSE_DONE, ClientDisconnected, SSEResponse, merge_streams, \
-    sse_event, unless_disconnected
+from novainfer.entrypoints.openai.streaming import SSE_DONE, ClientDisconnected, SSEResponse, sse_event, \
+    unless_disconnected
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -219,8 +219,9 @@ class GenerationHandler(ABC):
     """One generation request (chat or completion), from validation to the last byte.
 
     The mechanism is shared; subclasses say what differs: ``_prepare`` (the prompts and sampling
-    parameters), ``_response_body`` (the non-streaming response), ``_stream_choices`` (the choices
-    of the SSE chunks) and ``_on_complete`` (anything to do once generation ended well).
+    parameters), ``_response_body`` (the non-streaming response), ``_opening_choices`` and
+    ``_stream_choices`` (the choices of the SSE chunks) and ``_on_complete`` (anything to do once
+    generation ended well).
     """
 
     endpoint: ClassVar[str]  # the endpoint as the tracker records it
@@ -236,6 +237,7 @@ class GenerationHandler(ABC):
         self.arrival_time = now()
         self.response_id = new_id(self.id_prefix)
         self.scope = RequestScope()
+        self._finished: set[int] = set()  # streamed choices whose last event is out
 
     async def handle(self) -> Response:
         body = self.body
@@ -261,21 +263,23 @@ class GenerationHandler(ABC):
     def _on_complete(self, model: str, finals: list[RequestOutput]) -> None:
         """Called once every prompt's generation has ended, before the response (or [DONE]) is sent."""
 
-    async def _outputs(self, submission: Submission,
-                       finals: list[RequestOutput | None]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as outputs arrive; each is tracked and kept as its prompt's latest in
-        ``finals``. A stream's outputs are deltas (what is new since the previous one); a full
-        response's prompts give one output each, at their end."""
-        async for index, output in merge_streams(submission.streams):
-            submission.tracker.on_output(output)
+    @staticmethod
+    def _note(submission: Submission, finals: list[RequestOutput | None],
+              batch: list[tuple[int, RequestOutput]]) -> None:
+        """Tracks a batch of (prompt index, output) that arrived together (a ``StreamGroup`` batch)
+        and keeps each output as its prompt's latest in ``finals``. A stream's outputs are deltas
+        (what is new since the previous one); a full response's prompts give one output each, at
+        their end."""
+        tracker = submission.tracker
+        for index, output in batch:
+            tracker.on_output(output)
             finals[index] = output
-            yield index, output
 
     # ---- non-streaming --------------------------------------------------------------------------
     async def _collect(self, submission: Submission) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(submission.streams)
-        async for _ in self._outputs(submission, finals):
-            pass
+        async for batch in StreamGroup(submission.streams).batches():
+            self._note(submission, finals, batch)
         assert all(f is not None and f.finished for f in finals)
         return finals  # type: ignore[return-value]
 
@@ -321,11 +325,14 @@ class GenerationHandler(ABC):
             payload["usage"] = usage
         return sse_event(payload)
 
+    def _opening_choices(self) -> list[dict[str, Any]]:
+        """The choices of the events that open a stream, before any output (none by default)."""
+        return []
+
     @abstractmethod
-    def _stream_choices(self, submission: Submission,
-                        finals: list[RequestOutput | None]) -> AsyncIterator[list[dict[str, Any]]]:
-        """The choices of the SSE chunks, in order, read from ``self._outputs(submission, finals)``:
-        a list for each output read (one SSE event per choice, the list's events in one write)."""
+    def _stream_choices(self, model: ServedModel, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        """The choices of the SSE events for one output (a delta) of prompt ``prompt_index``, in
+        order (one event per choice); outputs come in the order they arrive."""
 
     async def _stream(self, submission: Submission) -> AsyncIterator[bytes]:
         model = submission.model
@@ -336,7 +343,17 @@ class GenerationHandler(ABC):
         try:
             finals: list[RequestOutput | None] = [None] * len(submission.streams)
             num_open = len(submission.streams) * self.body.n  # choices not yet finished
-            async for choices in self._stream_choices(submission, finals):
+            opening = self._opening_choices()
+            if opening:
+                yield b"".join([self._chunk(model.name, created, [choice]) for choice in opening])
+            # One wake-up per engine step for all of the request's prompts, and one write of the
+            # step's events.
+            async for batch in StreamGroup(submission.streams).batches():
+                self._note(submission, finals, batch)
+                choices = [choice for index, output in batch
+                           for choice in self._stream_choices(model, index, output)]
+                if not choices:
+                    continue
                 events = b"".join([self._chunk(model.name, created, [choice]) for choice in choices])
                 num_open -= sum(choice["finish_reason"] is not None for choice in choices)
                 if num_open > 0:

@@ -8,13 +8,14 @@ each prompt runs as its own engine request and yields ``n`` choices, numbered
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
+
+from starlette.requests import Request
 
 from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.entrypoints.openai.logprobs import completion_logprobs
 from novainfer.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
-from novainfer.entrypoints.openai.serving_common import GenerationHandler, Submission, check_before_tokenizing, \
+from novainfer.entrypoints.openai.serving_common import GenerationHandler, ServerContext, check_before_tokenizing, \
     check_lengths, sampling_params
 from novainfer.entrypoints.openai.served_models import ServedModel
 from novainfer.outputs import RequestOutput
@@ -55,6 +56,11 @@ class CompletionHandler(GenerationHandler):
     log = logger
     body: CompletionRequest
 
+    def __init__(self, ctx: ServerContext, body: CompletionRequest, request: Request) -> None:
+        super().__init__(ctx, body, request)
+        # Per streamed choice: the length of its text so far (the logprobs' text offsets).
+        self._text_offsets: dict[int, int] = {}
+
     async def _prepare(self, model: ServedModel) -> tuple[list[list[int]], SamplingParams]:
         body = self.body
         raw = split_prompts(body.prompt)
@@ -77,28 +83,23 @@ class CompletionHandler(GenerationHandler):
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=self.response_id, model=model.name, choices=choices, usage=usage)
 
-    async def _stream_choices(self, submission: Submission,
-                              finals: list[RequestOutput | None]) -> AsyncIterator[list[dict[str, Any]]]:
-        model = submission.model
+    def _stream_choices(self, model: ServedModel, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         n = self.body.n
         top = self.body.logprobs
-        text_offsets = [0] * (len(submission.streams) * n)
-        finished: set[int] = set()
-        async for prompt_index, output in self._outputs(submission, finals):
-            choices = []
-            for c in output.outputs:  # deltas: the tokens, logprobs and text new since the previous output
-                index = prompt_index * n + c.index
-                if index in finished:
-                    continue
-                logprobs = None
-                if top is not None and c.logprobs is not None and len(c.logprobs) > 0:
-                    logprobs = completion_logprobs(c.token_ids, c.logprobs, top, model.tokenizer, text_offsets[index])
-                    text_offsets[index] += sum(len(t) for t in logprobs["tokens"])
-                done = c.finish_reason is not None
-                if c.delta_text or logprobs is not None or done:
-                    if done:
-                        finished.add(index)
-                    choices.append({"index": index, "text": c.delta_text, "logprobs": logprobs,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason if done else None})
-            if choices:
-                yield choices
+        choices = []
+        for c in output.outputs:  # deltas: the tokens, logprobs and text new since the previous output
+            index = prompt_index * n + c.index
+            if index in self._finished:
+                continue
+            logprobs = None
+            if top is not None and c.logprobs is not None and len(c.logprobs) > 0:
+                offset = self._text_offsets.get(index, 0)
+                logprobs = completion_logprobs(c.token_ids, c.logprobs, top, model.tokenizer, offset)
+                self._text_offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+            done = c.finish_reason is not None
+            if c.delta_text or logprobs is not None or done:
+                if done:
+                    self._finished.add(index)
+                choices.append({"index": index, "text": c.delta_text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason if done else None})
+        return choices

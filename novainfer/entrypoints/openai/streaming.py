@@ -1,4 +1,4 @@
-"""Server-sent events, merging several request streams, and disconnect detection."""
+"""Server-sent events and disconnect detection."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
-
-from novainfer.engine.async_llm_engine import RequestStream
-from novainfer.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -79,44 +76,6 @@ class SSEResponse(StreamingResponse):
                     await aclose()
                 except Exception:  # cleanup of an already-broken stream must not mask the real end
                     logger.debug("closing an SSE body iterator failed", exc_info=True)
-
-
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yields (index of the stream, output) from several streams as outputs arrive."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                await queue.put((index, output))
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((index, exc))
-            return
-        await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                if isinstance(item, asyncio.CancelledError):
-                    remaining -= 1
-                    continue
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.abort()
 
 
 async def wait_for_disconnect(request: Request) -> None:
