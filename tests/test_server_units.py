@@ -22,6 +22,7 @@ from novainfer.entrypoints.openai.api_server import build_app
 from novainfer.entrypoints.openai.errors import OpenAIError
 from novainfer.entrypoints.openai.served_models import INLINE_TOKENIZER_SIZE, ModelRegistry, ServedModel
 from novainfer.entrypoints.openai.sessions import SessionStore
+from novainfer.entrypoints.openai.streaming import ChunkEvents, sse_event
 from novainfer.sampling_params import RequestOutputKind
 from tests.test_server_support import metric_value
 from tests.utils import tiny_model
@@ -135,7 +136,11 @@ def test_stream_group_gives_one_reader_every_stream_with_news_per_wake_up(offlin
         streams = [await engine.add_request(f"g{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         while not all(s.has_news() for s in streams):  # outputs that come before the group exists
             await asyncio.sleep(0.005)
-        return [batch async for batch in StreamGroup(streams).batches()]
+
+        async def read():
+            return [batch async for batch in StreamGroup(streams).batches()]
+
+        return await asyncio.wait_for(read(), 60)  # a lost wake-up fails instead of hanging
 
     try:
         batches = asyncio.run(main())
@@ -203,6 +208,21 @@ def test_async_engine_death_fails_in_flight_and_new_requests():
         assert not engine.is_healthy
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("choice", [
+    {"index": 0, "text": "caf\u00e9 \"quoted\" \\ \n\U0001f600", "logprobs": None, "finish_reason": None,
+     "stop_reason": None},
+    {"index": 3, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+    {"index": 1, "delta": {}, "logprobs": {"tokens": ["a"], "token_logprobs": [-0.5]}, "finish_reason": "stop",
+     "stop_reason": 7},
+])
+def test_chunk_events_are_the_whole_chunk_encoded(choice):
+    head = {"id": "cmpl-abc", "object": "text_completion", "created": 1700000000, "model": "m\"od\u00e9l"}
+    event = ChunkEvents(head).event(choice)
+    assert event == sse_event({**head, "choices": [choice]})
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert json.loads(event[len(b"data: "):-2]) == {**head, "choices": [choice]}
 
 
 # ---- the app on injected engines ----------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from novainfer.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from novainfer.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from novainfer.entrypoints.openai.served_models import ModelRegistry, ServedModel
 from novainfer.entrypoints.openai.sessions import RemoteSessionStore, SessionStore
-from novainfer.entrypoints.openai.streaming import SSE_DONE, ClientDisconnected, SSEResponse, sse_event, \
-    unless_disconnected
+from novainfer.entrypoints.openai.streaming import SSE_DONE, ChunkEvents, ClientDisconnected, SSEResponse, \
+    sse_event, unless_disconnected
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -317,14 +317,6 @@ class GenerationHandler(ABC):
         """The non-streaming response, from every prompt's final output."""
 
     # ---- streaming ------------------------------------------------------------------------------
-    def _chunk(self, model: str, created: int, choices: list[dict[str, Any]],
-               usage: dict[str, Any] | None = None) -> bytes:
-        payload: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object, "created": created,
-                                   "model": model, "choices": choices}
-        if usage is not None:
-            payload["usage"] = usage
-        return sse_event(payload)
-
     def _opening_choices(self) -> list[dict[str, Any]]:
         """The choices of the events that open a stream, before any output (none by default)."""
         return []
@@ -337,15 +329,18 @@ class GenerationHandler(ABC):
     async def _stream(self, submission: Submission) -> AsyncIterator[bytes]:
         model = submission.model
         tracker = submission.tracker
-        created = int(self.arrival_time)
         status, http_status, error = "ok", 200, None
         last = b""  # the events held back to go out with the stream's end
+        # The fields of every chunk before its choices.
+        head = {"id": self.response_id, "object": self.chunk_object, "created": int(self.arrival_time),
+                "model": model.name}
         try:
             finals: list[RequestOutput | None] = [None] * len(submission.streams)
             num_open = len(submission.streams) * self.body.n  # choices not yet finished
+            chunks = ChunkEvents(head)
             opening = self._opening_choices()
             if opening:
-                yield b"".join([self._chunk(model.name, created, [choice]) for choice in opening])
+                yield b"".join([chunks.event(choice) for choice in opening])
             # One wake-up per engine step for all of the request's prompts, and one write of the
             # step's events.
             async for batch in StreamGroup(submission.streams).batches():
@@ -354,7 +349,7 @@ class GenerationHandler(ABC):
                            for choice in self._stream_choices(model, index, output)]
                 if not choices:
                     continue
-                events = b"".join([self._chunk(model.name, created, [choice]) for choice in choices])
+                events = b"".join([chunks.event(choice) for choice in choices])
                 num_open -= sum(choice["finish_reason"] is not None for choice in choices)
                 if num_open > 0:
                     yield events
@@ -364,7 +359,7 @@ class GenerationHandler(ABC):
             usage = usage_of(done, tracker.completion_tokens)
             tracker.set_usage(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                last += self._chunk(model.name, created, [], usage=usage.model_dump())
+                last += sse_event({**head, "choices": [], "usage": usage.model_dump()})
             self._on_complete(model.name, done)
             yield last + SSE_DONE
         except (asyncio.CancelledError, GeneratorExit):

@@ -27,6 +27,19 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + _json_encoder.encode(payload) + b"\n\n"
 
 
+class ChunkEvents:
+    """The SSE events of one stream's chunks of one choice each: the fields every chunk shares
+    (``head``) are encoded once, and each event encodes only its choice. An event's bytes are
+    ``sse_event({**head, "choices": [choice]})``'s."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        # {...,"choices":[]} without its closing "]}"
+        self._prefix = b"data: " + _json_encoder.encode({**head, "choices": []})[:-2]
+
+    def event(self, choice: dict[str, Any]) -> bytes:
+        return self._prefix + _json_encoder.encode(choice) + b"]}\n\n"
+
+
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that always runs ``on_close``, however the stream ends.
 
