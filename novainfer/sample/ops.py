@@ -93,95 +93,64 @@ def exponential_noise_triton(keys: torch.Tensor, token_ids: torch.Tensor) -> tor
 # columns of the sampling state's parameter table, whose byte offsets (e.g. 20 for the repetition
 # penalty) are not 16-byte aligned where warm-up's tensors are: their pointers are not specialized
 # on alignment either (each program reads one value of each).
-@triton.jit(do_not_specialize=["num_splits", "chunks_per_split", "stride_temperature", "use_stop", "stride_stop",
-                               "use_repetition", "stride_repetition", "stride_seen", "use_frequency",
-                               "stride_frequency", "use_presence", "stride_presence", "stride_counts",
-                               "use_table_rows"],
+@triton.jit(do_not_specialize=["stride_temperature", "use_stop", "stride_stop", "use_repetition", "stride_repetition",
+                               "stride_seen", "use_frequency", "stride_frequency", "use_presence", "stride_presence",
+                               "stride_counts", "use_table_rows"],
             do_not_specialize_on_alignment=["temperature_ptr", "repetition_ptr", "frequency_ptr", "presence_ptr"])
-def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_splits, chunks_per_split,
+def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
                  temperature_ptr, stride_temperature, greedy_ptr, keys_ptr,
                  use_stop, stop_ptr, stride_stop, use_repetition, repetition_ptr, stride_repetition, seen_ptr,
                  stride_seen, use_frequency, frequency_ptr, stride_frequency, use_presence, presence_ptr,
                  stride_presence, counts_ptr, stride_counts, use_table_rows, table_rows_ptr,
                  best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_sum_ptr,
                  BLOCK: tl.constexpr, NOISE: tl.constexpr, LSE: tl.constexpr):
-    """A split of a row: its best score and token over ``chunks_per_split`` chunks of ``BLOCK``
-    tokens (and the maximum and sum of exp for the log-sum-exp). A program walks its chunks in
-    order, so each loads while the last is reduced, instead of a program per chunk."""
     row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    out = row * num_splits + split
+    chunk = tl.program_id(1)
+    cols = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_vocab = cols < vocab_size
+    raw = tl.load(logits_ptr + row * stride_logits + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+    out = row * num_chunks + chunk
+    if LSE:
+        # Of the raw logits (logprobs describe the model's own distribution).
+        chunk_max = tl.max(raw, axis=0)
+        tl.store(chunk_max_ptr + out, chunk_max)
+        tl.store(chunk_sum_ptr + out, tl.sum(tl.where(raw > float("-inf"), tl.exp(raw - chunk_max), 0.0), axis=0))
+    x = raw
+    if use_stop != 0:
+        stop = tl.load(stop_ptr + row * stride_stop + cols, mask=in_vocab, other=0)
+        x = tl.where(stop != 0, float("-inf"), x)
     # The row of the seen-token mask and the counts: the sampling table's row of the request, or
     # this row of copies gathered for the step.
     table_row = row
     if use_table_rows != 0:
         table_row = tl.load(table_rows_ptr + row)
-    penalty = 1.0
     if use_repetition != 0:
         penalty = tl.load(repetition_ptr + row * stride_repetition)
-    frequency = 0.0
-    if use_frequency != 0:
-        frequency = tl.load(frequency_ptr + row * stride_frequency)
-    presence = 0.0
-    if use_presence != 0:
-        presence = tl.load(presence_ptr + row * stride_presence)
-    draws = False
+        seen = tl.load(seen_ptr + table_row * stride_seen + cols, mask=in_vocab, other=0)
+        # div_rn: IEEE division, as torch's (Triton's default float32 division is approximate).
+        x = tl.where(seen != 0, tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty), x)
+    if use_frequency + use_presence != 0:
+        counts = tl.load(counts_ptr + table_row * stride_counts + cols, mask=in_vocab, other=0)
+        if use_frequency != 0:
+            x = x - tl.load(frequency_ptr + row * stride_frequency) * counts.to(tl.float32)
+        if use_presence != 0:
+            x = x - tl.load(presence_ptr + row * stride_presence) * (counts > 0).to(tl.float32)
+    # A NaN logit is never drawn: a reduction's index over NaN is arbitrary on a GPU (it may point
+    # past the vocabulary), so a broken row still yields one of its own ids.
+    x = tl.where(x == x, x, float("-inf"))
     if NOISE:
-        draws = tl.load(greedy_ptr + row) == 0
-    key = tl.load(keys_ptr + row).to(tl.int64) if NOISE else 0
-    temperature = tl.load(temperature_ptr + row * stride_temperature)
-    first = split * chunks_per_split * BLOCK
-    best_score = float("-inf")
-    best_token = tl.zeros((), tl.int64) + first  # a row of -inf draws its first id, as argmax does
-    run_max = float("-inf")
-    run_sum = 0.0
-    for start in range(first, tl.minimum(first + chunks_per_split * BLOCK, vocab_size), BLOCK):
-        cols = start + tl.arange(0, BLOCK).to(tl.int64)
-        in_vocab = cols < vocab_size
-        raw = tl.load(logits_ptr + row * stride_logits + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
-        if LSE:
-            # Of the raw logits (logprobs describe the model's own distribution).
-            new_max = tl.maximum(run_max, tl.max(raw, axis=0))
-            rescale = tl.where(run_max == float("-inf"), 0.0, tl.exp(run_max - new_max))
-            run_sum = run_sum * rescale + tl.sum(tl.where(raw > float("-inf"), tl.exp(raw - new_max), 0.0), axis=0)
-            run_max = new_max
-        x = raw
-        if use_stop != 0:
-            stop = tl.load(stop_ptr + row * stride_stop + cols, mask=in_vocab, other=0)
-            x = tl.where(stop != 0, float("-inf"), x)
-        if use_repetition != 0:
-            seen = tl.load(seen_ptr + table_row * stride_seen + cols, mask=in_vocab, other=0)
-            # div_rn: IEEE division, as torch's (Triton's default float32 division is approximate).
-            x = tl.where(seen != 0, tl.where(x > 0, tl.math.div_rn(x, penalty), x * penalty), x)
-        if use_frequency + use_presence != 0:
-            counts = tl.load(counts_ptr + table_row * stride_counts + cols, mask=in_vocab, other=0)
-            if use_frequency != 0:
-                x = x - frequency * counts.to(tl.float32)
-            if use_presence != 0:
-                x = x - presence * (counts > 0).to(tl.float32)
-        # A NaN logit is never drawn: a reduction's index over NaN is arbitrary on a GPU (it may point
-        # past the vocabulary), so a broken row still yields one of its own ids.
-        x = tl.where(x == x, x, float("-inf"))
-        if draws:
+        if tl.load(greedy_ptr + row) == 0:
             # Gumbel-max in log space: argmax(x / T - log q) = argmax(softmax(x / T) / q), the
             # exponential race of the torch path, for the same Exp(1) noise q.
-            x = x / temperature - tl.log(_exponential(key, cols))
-        # Ties go to the lowest id: within the chunk here, to the earlier chunk across chunks (only a
-        # strictly better score replaces the best), to the earlier split in the caller.
-        chunk_best, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        best_token = tl.where(chunk_best > best_score, start + index, best_token)
-        best_score = tl.maximum(best_score, chunk_best)
+            key = tl.load(keys_ptr + row).to(tl.int64)
+            x = x / tl.load(temperature_ptr + row * stride_temperature) - tl.log(_exponential(key, cols))
+    # Ties go to the lowest id, within the chunk here and across chunks in the caller (as argmax).
+    best_score, best = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(best_score_ptr + out, best_score)
-    tl.store(best_token_ptr + out, best_token)
-    if LSE:
-        tl.store(chunk_max_ptr + out, run_max)
-        tl.store(chunk_sum_ptr + out, run_sum)
+    tl.store(best_token_ptr + out, chunk.to(tl.int64) * BLOCK + best)
 
 
 _launch_draw = KernelLauncher(_draw_kernel)
-# About how many programs the whole-vocabulary draw runs (see _draw): a program per chunk of 4,096
-# logits took 149 us for 256 rows of 151,936 on an H200, each program waiting on its few loads.
-DRAW_PROGRAMS = 1024
 
 
 def draw_whole_vocabulary(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor | None,
@@ -231,31 +200,27 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
     variable = (logits, temperature, greedy, keys, stop, seen, repetition, counts, frequency, presence, table_rows,
                 tokens, lse)
 
-    # A row's splits: fewer, longer runs of chunks as the batch grows (about DRAW_PROGRAMS programs).
-    num_chunks = triton.cdiv(vocab_size, block)
-    chunks_per_split = triton.cdiv(num_chunks, min(num_chunks, triton.cdiv(DRAW_PROGRAMS, batch_size)))
-    num_splits = triton.cdiv(num_chunks, chunks_per_split)
-
     def build() -> tuple[ScratchSpec, Callable[[list[torch.Tensor]], list[Launch]]]:
-        scratch = [((batch_size, num_splits), dtype)
+        num_chunks = triton.cdiv(vocab_size, block)
+        scratch = [((batch_size, num_chunks), dtype)
                    for dtype in (torch.float32, torch.int64) + ((torch.float32,) * 2 if with_lse else ())]
-        return scratch, functools.partial(_draw_launches, variable, num_splits, chunks_per_split, block, record)
+        return scratch, functools.partial(_draw_launches, variable, num_chunks, block, record)
 
     # The rows' strides are arguments of the launches, so part of what a kept plan depends on.
     strides = tuple(None if t is None else t.stride(0)
                     for t in (logits, temperature, stop, seen, repetition, counts, frequency, presence))
-    _DRAW_PLANS.launch(device, (batch_size, vocab_size, logits.dtype, block, chunks_per_split, with_lse, record,
-                                *strides), variable, build)
+    _DRAW_PLANS.launch(device, (batch_size, vocab_size, logits.dtype, block, with_lse, record, *strides), variable,
+                       build)
     return tokens, lse
 
 
 _DRAW_PLANS = LaunchPlans()
 
 
-def _draw_launches(variable: tuple, num_splits: int, chunks_per_split: int, block: int, record: bool,
+def _draw_launches(variable: tuple, num_chunks: int, block: int, record: bool,
                    scratch: list[torch.Tensor]) -> list[Launch]:
-    """:func:`_draw`'s two launches: each split's best score and token (and its maximum and sum for
-    the log-sum-exp), then each row's token from its splits'."""
+    """:func:`_draw`'s two launches: each chunk's best score and token (and its maximum and sum for
+    the log-sum-exp), then each row's token from its chunks'."""
     (logits, temperature, greedy, keys, stop, seen, repetition, counts, frequency, presence, table_rows,
      tokens, lse) = variable
     batch_size, vocab_size = logits.shape
@@ -271,8 +236,8 @@ def _draw_launches(variable: tuple, num_splits: int, chunks_per_split: int, bloc
     presence_values = stand_in(presence, torch.float32, device)
     rows = stand_in(table_rows, torch.int64, device)
     with_lse = lse is not None
-    draw = (_launch_draw, (batch_size, num_splits), (
-        logits, logits.stride(0), vocab_size, num_splits, chunks_per_split, temperature, temperature.stride(0), greedy,
+    draw = (_launch_draw, (batch_size, num_chunks), (
+        logits, logits.stride(0), vocab_size, num_chunks, temperature, temperature.stride(0), greedy,
         stand_in(keys, torch.int64, device),
         int(stop is not None), stop_table, stop_table.stride(0),
         int(seen is not None), repetition, repetition.stride(0), seen_table, seen_table.stride(0),
@@ -283,11 +248,10 @@ def _draw_launches(variable: tuple, num_splits: int, chunks_per_split: int, bloc
         # No fused multiply-adds, so that penalized logits round as torch's separate operations do.
         dict(BLOCK=block, NOISE=keys is not None, LSE=with_lse, enable_fp_fusion=False, num_warps=8))
     combine = (_launch_combine_chunks, (batch_size,), (
-        best_score, best_token, chunk_max, chunk_sum, num_splits, tokens, lse if with_lse else best_score,
+        best_score, best_token, chunk_max, chunk_sum, num_chunks, tokens, lse if with_lse else best_score,
         int(record and seen is not None), seen_table, seen_table.stride(0),
         int(record and counts is not None), counts_table, counts_table.stride(0), rows),
-        # Sized for a split per chunk, whatever the batch: one compiled variant serves every batch size.
-        dict(CHUNKS=triton.next_power_of_2(triton.cdiv(vocab_size, block)), LSE=with_lse))
+        dict(CHUNKS=triton.next_power_of_2(num_chunks), LSE=with_lse))
     return [draw, combine]
 
 
@@ -483,7 +447,7 @@ def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         exponential_noise_triton(keys, token_ids)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "record_seen", "stride_seen", "record_counts", "stride_counts"])
+@triton.jit(do_not_specialize=["record_seen", "stride_seen", "record_counts", "stride_counts"])
 def _combine_chunks_kernel(best_score_ptr, best_token_ptr, chunk_max_ptr, chunk_sum_ptr, num_chunks, tokens_ptr,
                            lse_ptr, record_seen, seen_ptr, stride_seen, record_counts, counts_ptr, stride_counts,
                            table_rows_ptr, CHUNKS: tl.constexpr, LSE: tl.constexpr):

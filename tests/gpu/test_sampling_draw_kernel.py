@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from novainfer.sample import Sampler, SamplingMetadata, ops  # noqa: E402
+from novainfer.sample import Sampler, SamplingMetadata  # noqa: E402
 from novainfer.sample.ops import draw_candidates, draw_nucleus, draw_whole_vocabulary, warm_up_draw  # noqa: E402
 from novainfer.sample.rng import exponential_noise_torch  # noqa: E402
 from novainfer.sample.state import SamplingStateTable  # noqa: E402
@@ -96,13 +96,8 @@ def torch_draw(logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Ten
     return torch.where(metadata.is_greedy, penalized.argmax(dim=-1), drawn)
 
 
-# About how many programs the draw runs: the default (a split per chunk here), a few splits of
-# several chunks each, one split per row.
-@pytest.mark.parametrize("programs", [None, 2 * len(PARAMS), 1], ids=["default", "two_splits", "one_split"])
 @pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
-def test_draw_equals_the_torch_path_for_the_same_noise(dtype, programs, monkeypatch):
-    if programs is not None:
-        monkeypatch.setattr(ops, "DRAW_PROGRAMS", programs)
+def test_draw_equals_the_torch_path_for_the_same_noise(dtype):
     for seed in range(3):
         logits, metadata = batch(dtype, seed)
         keys = step_keys(metadata, seed)
@@ -410,6 +405,7 @@ def test_engine_tokens_with_penalties_recorded_in_the_draw_equal_those_recorded_
     with that turned off (SamplingStateTable.record_sampled records them instead) every seeded
     request gets the same tokens, over enough steps that each reads many recorded ones."""
     from novainfer import LLM
+    from novainfer.sample import ops
     from tests.utils import random_ids, tiny_model
 
     settings = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.5),
