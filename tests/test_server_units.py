@@ -36,6 +36,36 @@ def make_engine(name: str = "tiny") -> AsyncLLMEngine:
                                            name=name, multiprocess=False)
 
 
+def assert_deltas_add_up(deltas, expected) -> None:
+    """Delta outputs (CompletionOutput) of one sequence concatenate to its whole output ``expected``."""
+    assert "".join(c.text for c in deltas) == expected.text
+    assert [t for c in deltas for t in c.token_ids] == expected.token_ids
+    assert [p for c in deltas for p in c.logprobs] == list(expected.logprobs)
+
+
+def run_and_shut_down(engine: AsyncLLMEngine, main):
+    """``asyncio.run(main())``'s result; the engine is shut down whatever happens."""
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def assert_aborted_and_freed(stats, num_aborted: int) -> None:
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
+    assert stats.finished_requests_total["abort"] == num_aborted
+
+
+async def stats_once_idle(engine: AsyncLLMEngine):
+    """The engine's stats once nothing runs and no KV block is used (or after about 2 s)."""
+    for _ in range(200):
+        stats = engine.get_stats()
+        if stats.num_running_reqs == 0 and stats.kv_cache_usage == 0:
+            break
+        await asyncio.sleep(0.01)
+    return engine.get_stats()
+
+
 @pytest.fixture(scope="module")
 def offline():
     return LLM(str(tiny_model()), kv_cache_memory_bytes=KV_BYTES)
@@ -89,10 +119,7 @@ def test_async_engine_reader_behind_gets_the_missed_steps_in_one_output(offline)
     finally:
         engine.shutdown()
     assert len(outputs) == 2 and outputs[-1].finished
-    completions = [o.outputs[0] for o in outputs]
-    assert "".join(c.text for c in completions) == expected.text
-    assert [t for c in completions for t in c.token_ids] == expected.token_ids
-    assert [p for c in completions for p in c.logprobs] == list(expected.logprobs)
+    assert_deltas_add_up([o.outputs[0] for o in outputs], expected)
 
 
 def test_async_engine_validation_error_and_abort_frees_blocks():
@@ -107,19 +134,9 @@ def test_async_engine_validation_error_and_abort_frees_blocks():
             count += 1
             if count == 3:
                 break  # leaving the iteration aborts the request
-        for _ in range(200):
-            stats = engine.get_stats()
-            if stats.num_running_reqs == 0 and stats.kv_cache_usage == 0:
-                break
-            await asyncio.sleep(0.01)
-        return engine.get_stats()
+        return await stats_once_idle(engine)
 
-    try:
-        stats = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
-    assert stats.finished_requests_total["abort"] == 1
+    assert_aborted_and_freed(run_and_shut_down(engine, main), 1)
 
 
 def test_stream_group_gives_one_reader_every_stream_with_news_per_wake_up(offline):
@@ -149,10 +166,7 @@ def test_stream_group_gives_one_reader_every_stream_with_news_per_wake_up(offlin
     assert len(batches[0]) == 3  # the news of all three, in one wake-up
     assert all(len({index for index, _ in batch}) == len(batch) for batch in batches)
     for index, exp in enumerate(expected):
-        outputs = [output.outputs[0] for batch in batches for i, output in batch if i == index]
-        assert "".join(c.text for c in outputs) == exp.text
-        assert [t for c in outputs for t in c.token_ids] == exp.token_ids
-        assert [p for c in outputs for p in c.logprobs] == list(exp.logprobs)
+        assert_deltas_add_up([output.outputs[0] for batch in batches for i, output in batch if i == index], exp)
 
 
 def test_leaving_a_stream_group_early_aborts_its_unfinished_streams():
@@ -163,19 +177,9 @@ def test_leaving_a_stream_group_early_aborts_its_unfinished_streams():
         streams = [await engine.add_request(f"long{i}", "Hello", params) for i in range(3)]
         async for _ in StreamGroup(streams).batches():
             break
-        for _ in range(200):
-            stats = engine.get_stats()
-            if stats.num_running_reqs == 0 and stats.kv_cache_usage == 0:
-                break
-            await asyncio.sleep(0.01)
-        return engine.get_stats()
+        return await stats_once_idle(engine)
 
-    try:
-        stats = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
-    assert stats.finished_requests_total["abort"] == 3
+    assert_aborted_and_freed(run_and_shut_down(engine, main), 3)
 
 
 def _break_after(engine: AsyncLLMEngine, num_steps: int) -> None:
