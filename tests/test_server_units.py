@@ -182,6 +182,28 @@ def test_leaving_a_stream_group_early_aborts_its_unfinished_streams():
     assert_aborted_and_freed(run_and_shut_down(engine, main), 3)
 
 
+def test_a_stream_group_ends_once_its_streams_are_aborted_elsewhere():
+    """Streams aborted while their group's reader waits (e.g. by their request's clean-up) end the
+    reading instead of leaving it waiting for outputs that will never come."""
+    engine = make_engine()
+
+    async def main():
+        params = SamplingParams(max_tokens=1000, ignore_eos=True)
+        streams = [await engine.add_request(f"x{i}", "Hello", params) for i in range(2)]
+
+        async def read():
+            return [batch async for batch in StreamGroup(streams).batches()]
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.05)
+        for stream in streams:
+            stream.abort()
+        await asyncio.wait_for(reader, 30)
+        return await stats_once_idle(engine)
+
+    assert_aborted_and_freed(run_and_shut_down(engine, main), 2)
+
+
 def _break_after(engine: AsyncLLMEngine, num_steps: int) -> None:
     real_step = engine.engine_core.step
     calls = {"n": 0}

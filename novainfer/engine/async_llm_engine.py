@@ -157,9 +157,9 @@ class StreamGroup:
         """Lists of (index of the stream, output) as outputs arrive, until every stream finished;
         a stream's error is raised."""
         streams = self.streams
-        num_open = sum(not stream.finished for stream in streams)
         try:
-            while num_open:
+            # (A stream aborted meanwhile, e.g. by its request's clean-up, counts as finished.)
+            while not all(stream.finished for stream in streams):
                 if not self._marked:
                     self._waiter = asyncio.get_running_loop().create_future()
                     await self._waiter
@@ -171,7 +171,6 @@ class StreamGroup:
                     if stream.finished:
                         continue
                     output = stream.take()
-                    num_open -= stream.finished
                     if output is not None:
                         batch.append((index, output))
                 if batch:
