@@ -3,7 +3,10 @@ the whole-vocabulary draw fused into one pass over the logits, and the draw amon
 
 The noise kernel does the same hash as the torch version (the same bits, in uint32 arithmetic;
 only ``log`` may differ in the last place). The torch version runs about twenty elementwise passes
-over a [rows, vocabulary] int64 tensor; the kernels compute each value in registers.
+over a [rows, vocabulary] int64 tensor; the kernels compute each value in registers. The draws over
+the vocabulary rank tokens by ``x / T - log(noise)`` with the GPU's fast log of the noise
+(:func:`_log_noise`), so a seeded token may differ from the torch path's where two scores are within
+about 1e-7 of each other.
 
 The fused draw (:func:`draw_whole_vocabulary`) serves steps whose random rows sample from the whole
 vocabulary (no top-k, top-p or min-p): each program reads one chunk of one row of the logits once,
@@ -30,6 +33,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from novainfer.layers.ops.launcher import KernelLauncher, Launch, LaunchPlans, ScratchSpec
 from novainfer.sample import rng, topk
@@ -40,6 +44,8 @@ from novainfer.sampling_params import SamplingParams
 # The hash's constants (see novainfer.sample.rng), as compile-time constants of the kernels.
 _MUL = tl.constexpr(rng.HASH_MUL)
 _GOLDEN = tl.constexpr(rng.GOLDEN)
+# The interpreter (TRITON_INTERPRET=1: kernels on CPU tensors) has no libdevice; it takes the precise log.
+_FAST_LOG = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -60,6 +66,18 @@ def _exponential(key, ids):
     bits = _mix32(key.to(tl.uint32) + ids.to(tl.uint32) * golden)
     uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # rng.uniform_from_bits
     return -tl.log(uniform)
+
+
+@triton.jit
+def _log_noise(key, ids):
+    """log of :func:`_exponential`'s noise, the Gumbel-max draws' term (their score is x / T - this).
+    The noise itself needs the precise log: near u = 1, -log(u) is about 1e-7, below the fast log's
+    absolute error, and could come out <= 0. Its log may be fast: a relative error of about 2**-22
+    in a term that only ranks tokens, at about half the arithmetic of a score."""
+    noise = _exponential(key, ids)
+    if _FAST_LOG:
+        return libdevice.fast_logf(noise)
+    return tl.log(noise)
 
 
 @triton.jit(do_not_specialize=["width", "stride_ids", "stride_out"])
@@ -143,7 +161,7 @@ def _draw_kernel(logits_ptr, stride_logits, vocab_size, num_chunks,
             # Gumbel-max in log space: argmax(x / T - log q) = argmax(softmax(x / T) / q), the
             # exponential race of the torch path, for the same Exp(1) noise q.
             key = tl.load(keys_ptr + row).to(tl.int64)
-            x = x / tl.load(temperature_ptr + row * stride_temperature) - tl.log(_exponential(key, cols))
+            x = x / tl.load(temperature_ptr + row * stride_temperature) - _log_noise(key, cols)
     # Ties go to the lowest id, within the chunk here and across chunks in the caller (as argmax).
     best_score, best = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(best_score_ptr + out, best_score)
@@ -306,7 +324,7 @@ def _nucleus_kernel(logits_ptr, stride_logits, vocab_size, temperature_ptr, stri
             total = total * rescale + tl.sum(weights, axis=0)
             before = before * rescale + tl.sum(tl.where(ahead, weights, 0.0), axis=0)
             candidate = ahead & (weights >= min_p)  # (always, without a min-p)
-            score = tl.where(candidate, y - tl.log(_exponential(key, cols)), float("-inf"))
+            score = tl.where(candidate, y - _log_noise(key, cols), float("-inf"))
             chunk_best, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
             # Strictly better only: among equal scores the earlier chunk's (lower) id stays.
             best = tl.where(chunk_best > best_score, start + index, best)
