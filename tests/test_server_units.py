@@ -19,11 +19,8 @@ from novainfer.entrypoints.cli.main import build_parser
 from novainfer.entrypoints.cli.serve import server_config_from
 from novainfer.entrypoints.openai.admission import AdmissionController, AdmissionLimits
 from novainfer.entrypoints.openai.api_server import build_app
-from novainfer.entrypoints.openai.config import ServerConfig
 from novainfer.entrypoints.openai.errors import OpenAIError
-from novainfer.entrypoints.openai.middleware import PreparationGate, PreparationGateMiddleware, leave_preparation
 from novainfer.entrypoints.openai.served_models import INLINE_TOKENIZER_SIZE, ModelRegistry, ServedModel
-from novainfer.entrypoints.openai.serving_completion import CompletionHandler
 from novainfer.entrypoints.openai.sessions import SessionStore
 from novainfer.entrypoints.openai.streaming import ChunkEvents, sse_event
 from novainfer.sampling_params import RequestOutputKind
@@ -417,164 +414,16 @@ def test_serve_command_line():
 
     config = server_config_from(_parse("dirA", "--model", "dirB", "--served-model-name", "a", "--port", "9001",
                                        "--api-key", "k", "--max-num-seqs", "8", "--max-waiting-requests", "3",
-                                       "--session-ttl", "60", "--api-key", "k2", "--api-key", "k",
-                                       "--max-preparing-requests", "8"))
+                                       "--session-ttl", "60", "--api-key", "k2", "--api-key", "k"))
     assert [(s.name, s.engine_args.model) for s in config.models] == [("a", "dirA"), ("dirB", "dirB")]
     assert all(s.engine_args.max_num_seqs == 8 for s in config.models)
     assert config.limits.max_waiting_requests == 3 and config.session_ttl_s == 60
-    assert config.limits.max_preparing_requests == 8
-    with pytest.raises(ValueError, match="max_preparing_requests must be >= 0, got -1"):
-        server_config_from(_parse("--max-preparing-requests", "-1"))
     assert config.api_keys == ["k", "k2"]
 
     with pytest.raises(ValueError, match="served-model-name"):
         server_config_from(_parse("dirA", "--served-model-name", "a", "--served-model-name", "b"))
     with pytest.raises(ValueError, match="unique"):
         ModelRegistry(server_config_from(_parse("d", "--model", "d")).models)
-
-
-# ---- the preparation gate --------------------------------------------------------------------------------------
-def test_preparation_gate_admits_in_arrival_order_and_never_more_than_its_limit():
-    async def main():
-        gate = PreparationGate(2)
-        inside, most, entered = 0, 0, []
-        leave = {i: asyncio.Event() for i in range(6)}
-
-        async def holder(i):
-            nonlocal inside, most
-            await gate.acquire()
-            inside += 1
-            most = max(most, inside)
-            entered.append(i)
-            await leave[i].wait()
-            inside -= 1
-            gate.release()
-
-        tasks = []
-        for i in range(6):
-            tasks.append(asyncio.create_task(holder(i)))
-            await asyncio.sleep(0)  # arrival order
-        await asyncio.sleep(0)
-        assert entered == [0, 1]
-        tasks[2].cancel()  # a waiter that leaves takes no slot
-        for i in (1, 0, 3, 4, 5):
-            leave[i].set()
-            await asyncio.sleep(0.01)
-        await asyncio.gather(*tasks, return_exceptions=True)
-        assert entered == [0, 1, 3, 4, 5] and most == 2
-        # Every slot came back: two holders enter at once again.
-        await asyncio.wait_for(asyncio.gather(gate.acquire(), gate.acquire()), 1)
-
-    asyncio.run(main())
-
-
-async def _post(app, path: str, chunks: list[bytes], disconnect: bool = False) -> list[dict]:
-    """One POST through ``app`` with its body in ``chunks`` (the client leaves after them with
-    ``disconnect``); returns the messages the app sent."""
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "state": {}}
-    pending = [{"type": "http.request", "body": c, "more_body": i + 1 < len(chunks) or disconnect}
-               for i, c in enumerate(chunks)]
-    sent = []
-
-    async def receive():
-        if pending:
-            return pending.pop(0)
-        if not disconnect:
-            await asyncio.Event().wait()  # the client stays until the test ends
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    await app(scope, receive, send)
-    return sent
-
-
-def test_preparation_gate_middleware_frees_a_slot_at_submission_response_or_failure():
-    async def main():
-        inner_calls, bodies = [], []
-        release = asyncio.Event()
-
-        async def inner(scope, receive, send):
-            message = await receive()
-            bodies.append(message["body"])
-            assert not message["more_body"]
-            kind = message["body"].decode()
-            inner_calls.append(kind)
-            if kind == "submitted":  # a full response: its slot is freed once the engine has it
-                leave_preparation(scope)
-                await release.wait()
-            elif kind == "streamed":  # its slot is freed by the response start
-                await send({"type": "http.response.start", "status": 200, "headers": []})
-                await release.wait()
-            elif kind == "failed":
-                raise RuntimeError("handler failed")
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-
-        app = PreparationGateMiddleware(inner, limit=1, paths=["/gen"])
-        held = [asyncio.create_task(_post(app, "/gen", [b"sub", b"mitted"]))]
-        await asyncio.sleep(0.01)
-        held.append(asyncio.create_task(_post(app, "/gen", [b"streamed"])))
-        await asyncio.sleep(0.01)
-        with pytest.raises(RuntimeError):
-            await asyncio.wait_for(_post(app, "/gen", [b"failed"]), 1)
-        # A client that leaves before its body is complete never waits for a slot nor reaches the app.
-        assert await asyncio.wait_for(_post(app, "/gen", [b"par"], disconnect=True), 1) == []
-        await asyncio.wait_for(_post(app, "/gen", [b"plain"]), 1)
-        await asyncio.wait_for(_post(app, "/other", [b"ungated"]), 1)
-        assert inner_calls == ["submitted", "streamed", "failed", "plain", "ungated"]
-        assert bodies[0] == b"submitted"  # the chunks, as one message
-        release.set()
-        await asyncio.gather(*held)
-
-    asyncio.run(main())
-
-
-def test_a_burst_through_the_gate_reaches_the_engine_while_later_requests_wait(monkeypatch):
-    """With the gate, the first requests are with the engine before the fifth is prepared, at most
-    ``limit`` are being prepared at any moment, and every stream completes."""
-    limit, num_requests = 4, 24
-    events = []
-    prepare = CompletionHandler._prepare
-
-    async def recorded_prepare(self, model):
-        events.append("prepare")
-        try:
-            return await prepare(self, model)
-        finally:
-            events.append("prepared")
-
-    add_request = AsyncLLMEngine.add_request
-
-    async def recorded_add(self, *args, **kwargs):
-        events.append("submitted")
-        return await add_request(self, *args, **kwargs)
-
-    monkeypatch.setattr(CompletionHandler, "_prepare", recorded_prepare)
-    monkeypatch.setattr(AsyncLLMEngine, "add_request", recorded_add)
-    engine = make_engine()
-    registry = ModelRegistry.from_engines({"tiny": engine})
-    app = build_app(ServerConfig(models=registry.specs, limits=AdmissionLimits(max_preparing_requests=limit)),
-                    registry=registry)
-
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
-            responses = await asyncio.gather(*(
-                client.post("/v1/completions", json={"prompt": f"request {i}", "max_tokens": 3, "stream": True})
-                for i in range(num_requests)))
-        assert all(r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") for r in responses)
-
-    run_and_shut_down(engine, main)
-    assert events.count("submitted") == num_requests
-    preparing, most = 0, 0
-    for event in events:  # between "prepare" and its submission a request holds a slot
-        preparing += {"prepare": 1, "submitted": -1}.get(event, 0)
-        most = max(most, preparing)
-    assert most <= limit
-    fifth = [i for i, e in enumerate(events) if e == "prepare"][limit]
-    assert events.index("submitted") < fifth
 
 
 # ---- start-up ---------------------------------------------------------------------------------------------------

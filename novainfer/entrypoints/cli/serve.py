@@ -59,9 +59,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     limits.add_argument("--max-concurrent-requests-per-client", type=int, default=None,
                         help="most in-flight requests per client (its API key, else its address)")
     limits.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 429")
-    limits.add_argument("--max-preparing-requests", type=int, default=32,
-                        help="most generation requests parsed, validated and tokenized at once (others wait in "
-                             "arrival order, so that a burst's first requests reach the engine at once); 0: no bound")
     sessions = serve.add_argument_group("sessions")
     sessions.add_argument("--max-sessions", type=int, default=1024,
                           help="most stored chat sessions per client (its least recently used are dropped)")
@@ -93,7 +90,7 @@ def server_config_from(ns: argparse.Namespace):
     limits = AdmissionLimits(max_waiting_requests=ns.max_waiting_requests,
                              max_queued_prompt_tokens=ns.max_queued_prompt_tokens,
                              max_concurrent_per_client=ns.max_concurrent_requests_per_client,
-                             retry_after_s=ns.retry_after, max_preparing_requests=ns.max_preparing_requests)
+                             retry_after_s=ns.retry_after)
     return ServerConfig(models=specs, host=ns.host, port=ns.port, api_keys=api_keys_from(ns),
                         metrics_require_key=ns.metrics_require_key, limits=limits, max_sessions=ns.max_sessions,
                         session_ttl_s=ns.session_ttl, log_requests=not ns.disable_log_requests,

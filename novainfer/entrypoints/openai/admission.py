@@ -27,9 +27,6 @@ class AdmissionLimits:
     max_queued_prompt_tokens: int | None = None
     max_concurrent_per_client: int | None = None
     retry_after_s: int = 1
-    # Generation requests being parsed, validated and tokenized at once (0: no bound); see
-    # middleware.PreparationGateMiddleware.
-    max_preparing_requests: int = 32
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -38,9 +35,8 @@ class AdmissionLimits:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
-        for name in ("retry_after_s", "max_preparing_requests"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
 
 
 class Ticket:

@@ -29,7 +29,7 @@ from novainfer.entrypoints.openai.errors import OpenAIError, error_body, install
 from novainfer.entrypoints.openai.http_protocol import protocol_with_header_deadline
 from novainfer.entrypoints.openai.metrics import ServerMetrics
 from novainfer.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware, HostCheckMiddleware, \
-    PreparationGateMiddleware, RequestIdMiddleware
+    RequestIdMiddleware
 from novainfer.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, \
     CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, \
     HealthResponse, ModelCard, ModelList, SessionCreateRequest, SessionDeleted, SessionDetail, SessionInfo, \
@@ -66,19 +66,15 @@ def _session_info(session: Session, cls=SessionInfo, **extra) -> SessionInfo:
                num_messages=len(session.messages), **extra)
 
 
-CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
-GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
-
-
 def _routes() -> APIRouter:
     router = APIRouter()
 
-    @router.post(CHAT_PATH, response_model=ChatCompletionResponse,
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
                  responses={**_ERRORS, 200: {"content": _SSE}})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await ChatHandler(_context(request), body, request).handle()
 
-    @router.post(COMPLETIONS_PATH, response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}})
+    @router.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await CompletionHandler(_context(request), body, request).handle()
 
@@ -244,12 +240,8 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
 
 def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
     """Each ``add_middleware`` wraps the ones before it: the last added runs first. From the
-    outside in: request id and error logging, Host check, CORS, body bounds, the key, then the
-    preparation gate (only authorized requests wait for a slot)."""
+    outside in: request id and error logging, Host check, CORS, body bounds, then the key."""
     open_paths = ["/health", "/version", "/", *([] if config.metrics_require_key else ["/metrics"])]
-    if config.limits.max_preparing_requests:
-        app.add_middleware(PreparationGateMiddleware, limit=config.limits.max_preparing_requests,
-                           paths=GENERATION_PATHS)
     app.add_middleware(AuthMiddleware, api_keys=config.api_keys, open_paths=open_paths,
                        open_prefixes=["/webui/"] if config.webui else [])
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.request_timeout_s)

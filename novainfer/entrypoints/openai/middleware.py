@@ -1,6 +1,5 @@
 """ASGI middleware: request ids and error logging, the Host allow-list, body size and arrival
-deadline, API keys (which also name the request's principal) and the preparation gate (how many
-generation requests are prepared for the engine at once).
+deadline, and API keys (which also name the request's principal).
 
 They are plain ASGI (not ``BaseHTTPMiddleware``) so that streaming responses pass through
 untouched and client disconnects still reach the endpoint. Every refusal made here is an
@@ -17,7 +16,6 @@ import logging
 import re
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterable
 
 from fastapi.exceptions import HTTPException
@@ -252,112 +250,3 @@ class AuthMiddleware:
             return
         state["principal"] = principal or address
         await self.app(scope, receive, send)
-
-
-class PreparationGate:
-    """First come, first served slots: at most ``limit`` holders at once; the others wait in
-    arrival order, and a released slot goes straight to the oldest waiter."""
-
-    def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
-        self._free = limit
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    async def acquire(self) -> None:
-        if self._free > 0 and not self._waiters:
-            self._free -= 1
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():  # handed a slot as it was cancelled
-                self.release()
-            raise
-
-    def release(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():  # (a cancelled one is done)
-                waiter.set_result(None)
-                return
-        self._free += 1
-
-
-def leave_preparation(scope: Scope) -> None:
-    """The request's prompts are with the engine: its preparation slot goes to the next request
-    (no-op without a gate, or once released)."""
-    release = _state(scope).pop("preparation_slot", None)
-    if release is not None:
-        release()
-
-
-class PreparationGateMiddleware:
-    """At most ``limit`` generation requests (POSTs to ``paths``) are prepared at once: parsed,
-    validated, tokenized and handed to the engine. Under a burst of hundreds of requests, the event
-    loop would otherwise run every request's parsing and validation before any tokenized prompt
-    came back from the tokenizer thread, so the engine got its first request only after the whole
-    burst was read (about 0.2 s for 500 requests on a GPU machine's host) and idled meanwhile. With
-    the gate the first requests reach the engine within milliseconds, and the rest follow while it
-    runs.
-
-    A request's body is read in full (within the body bounds of the middleware outside this one)
-    before it waits for a slot, so a client trickling its body in never holds one. The slot is
-    freed when the handler calls :func:`leave_preparation` once its prompts are with the engine,
-    or at the latest when the response starts or the app returns.
-    """
-
-    def __init__(self, app: ASGIApp, limit: int, paths: Iterable[str]) -> None:
-        self.app = app
-        self._gate = PreparationGate(limit)
-        self._paths = frozenset(paths)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in self._paths:
-            await self.app(scope, receive, send)
-            return
-        body = await _read_body(receive)
-        if body is None:  # the client left before its body was complete: nothing to answer
-            return
-        await self._gate.acquire()
-        held = True
-
-        def release() -> None:
-            nonlocal held
-            if held:
-                held = False
-                self._gate.release()
-
-        _state(scope)["preparation_slot"] = release
-        replayed = False
-
-        async def replay_receive() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # the disconnect, when it comes
-
-        async def releasing_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                release()
-            await send(message)
-
-        try:
-            await self.app(scope, replay_receive, releasing_send)
-        finally:
-            release()
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None if the client disconnected first."""
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(parts)

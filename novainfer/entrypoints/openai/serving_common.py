@@ -20,7 +20,6 @@ from novainfer.engine.async_llm_engine import EngineDeadError, RequestStream, St
 from novainfer.entrypoints.openai.admission import AdmissionController, Ticket
 from novainfer.entrypoints.openai.errors import OpenAIError, error_body, param_from_message, request_id_of
 from novainfer.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from novainfer.entrypoints.openai.middleware import leave_preparation
 from novainfer.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from novainfer.entrypoints.openai.served_models import ModelRegistry, ServedModel
 from novainfer.entrypoints.openai.sessions import RemoteSessionStore, SessionStore
@@ -192,7 +191,6 @@ async def submit(ctx: ServerContext, request: Request, model: ServedModel, respo
         submission.streams.append(stream)
         submission.engine_ids.append(engine_id)
         scope.add(stream.abort)
-    leave_preparation(request.scope)
     return submission
 
 
