@@ -6,7 +6,7 @@ only ``log`` may differ in the last place). The torch version runs about twenty 
 over a [rows, vocabulary] int64 tensor; the kernels compute each value in registers. The draws over
 the vocabulary rank tokens by ``x / T - log(noise)`` with the GPU's fast log of the noise
 (:func:`_log_noise`), so a seeded token may differ from the torch path's where two scores are within
-about 4e-7 of each other.
+a few ulp of each other.
 
 The fused draw (:func:`draw_whole_vocabulary`) serves steps whose random rows sample from the whole
 vocabulary (no top-k, top-p or min-p): each program reads one chunk of one row of the logits once,
