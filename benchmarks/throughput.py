@@ -65,8 +65,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Workload, add_engine_arguments, add_model_arguments, add_output_arguments, \
-    engine_kwargs, load_average, load_transformers_model, make_workload, release_device_memory, \
-    resolve_model_args, run_facts, scrub_path, transformers_errors_only, write_results
+    engine_kwargs, host_probe, load_average, load_transformers_model, make_workload, release_device_memory, \
+    resolve_model_args, run_facts, scrub_path, steal_seconds, transformers_errors_only, write_results
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -159,17 +159,23 @@ def warmup_requests(workload: Workload, token_budget: int) -> tuple[list[list[in
 
 
 def timed_run(runner, workload: Workload) -> tuple[dict[str, Any], list[list[int]]]:
-    """One timed ``runner.generate`` of the whole workload: the figures every run of any side reports."""
+    """One timed ``runner.generate`` of the whole workload: the figures every run of any side reports,
+    with the host's speed just before and after it (:func:`host_probe`, outside the timed part)."""
+    probe_before, steal_before = host_probe(), steal_seconds()
     started, cpu_started = time.perf_counter(), time.process_time()
     tokens = runner.generate(workload.prompts, workload.output_lens)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    probe_after, steal_after = host_probe(), steal_seconds()
     for i, (toks, want) in enumerate(zip(tokens, workload.output_lens)):
         if len(toks) != want:
             raise RuntimeError(f"{runner.name} request {i} produced {len(toks)} tokens, expected {want}")
     output_tokens = sum(len(t) for t in tokens)
     return {"output_tokens": output_tokens, "seconds": round(seconds, 4), "process_cpu_seconds": round(cpu_seconds, 3),
             "output_tokens_per_s": round(output_tokens / seconds, 2),
-            "total_tokens_per_s": round((output_tokens + workload.total_input_tokens) / seconds, 2)}, tokens
+            "total_tokens_per_s": round((output_tokens + workload.total_input_tokens) / seconds, 2),
+            "host_probe_ms": [probe_before["wall_ms"], probe_after["wall_ms"]],
+            "host_probe_cpu_ms": [probe_before["cpu_ms"], probe_after["cpu_ms"]],
+            "steal_s": None if steal_before is None else round(steal_after - steal_before, 3)}, tokens
 
 
 # ---- NovaInfer ------------------------------------------------------------------------------------

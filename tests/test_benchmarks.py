@@ -108,8 +108,21 @@ def test_sampling_paths_interleave_settings_against_greedy(tmp_path):
     assert settings["topp-topk-seed-text"]["sampling"]["seed_per_request"] is True
     for row in settings.values():
         assert [run["output_tokens"] for run in row["runs"]] == [results["workload"]["total_output_tokens"]] * 2
+        for run in row["runs"]:
+            assert len(run["host_probe_ms"]) == 2 and min(run["host_probe_ms"]) > 0
+        assert 0 <= row["steady_host_runs"] <= 2
     with pytest.raises(SystemExit):
         sampling_paths.parse_args(["--settings", "greedy,top-q"])
+
+
+def test_steady_host_runs_keep_runs_whose_probes_stayed_near_the_fastest():
+    def run(rate, before, after):
+        return {"output_tokens_per_s": rate, "host_probe_ms": [before, after]}
+
+    runs = {"greedy": [run(100.0, 10.0, 11.0), run(70.0, 10.5, 25.0), run(90.0, 14.0, 12.0)],
+            "topk": [run(80.0, 30.0, 12.0), run(95.0, 15.0, 15.0), run(85.0, 15.1, 10.0)]}
+    bound_runs = sampling_paths.steady_host_runs(runs)  # fastest probe 10 ms: bound 15 ms
+    assert bound_runs == {"greedy": [100.0, 90.0], "topk": [95.0]}
 
 
 def test_mixed_step_benchmark_times_the_step_kinds_it_names(tmp_path):
