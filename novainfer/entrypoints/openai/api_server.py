@@ -66,8 +66,9 @@ def _session_info(session: Session, cls=SessionInfo, **extra) -> SessionInfo:
                num_messages=len(session.messages), **extra)
 
 
-def _routes() -> APIRouter:
-    router = APIRouter()
+def _add_routes(router: APIRouter) -> None:
+    """The API's routes, on the app's own router: an included router (``include_router``) builds
+    its routes' state at the first request and matches every request through one more layer."""
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
                  responses={**_ERRORS, 200: {"content": _SSE}})
@@ -163,8 +164,6 @@ def _routes() -> APIRouter:
     async def version() -> VersionResponse:
         return VersionResponse(version=novainfer.__version__)
 
-    return router
-
 
 def _document_400_not_422(app: FastAPI) -> None:
     """FastAPI documents validation failures as 422; this server answers them with 400."""
@@ -230,7 +229,7 @@ def build_app(config: ServerConfig | None = None, *, registry: ModelRegistry | N
                                   sessions=sessions, log_requests=config.log_requests)
     app.state.config = config
     install_exception_handlers(app)
-    app.include_router(_routes())
+    _add_routes(app.router)
     if config.webui:
         mount_webui(app)
     _document_400_not_422(app)
