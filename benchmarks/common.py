@@ -133,6 +133,19 @@ def host_probe() -> dict[str, float]:
     return {"wall_ms": round(1e3 * (time.perf_counter() - wall), 2), "cpu_ms": round(1e3 * (time.thread_time() - cpu), 2)}
 
 
+# A run is a steady-host run when both of its host probes took at most this times the fastest probe
+# (on the H200 hosts the probe took 10-14.5 ms at their usual speed and 17-34 ms in slow spells).
+STEADY_HOST_MARGIN = 1.5
+
+
+def steady_host(probes: Sequence[Sequence[float]]) -> list[bool]:
+    """Per run, given its :func:`host_probe` wall times (before and after it), whether the host ran
+    at its usual speed around it: each probe within ``STEADY_HOST_MARGIN`` times the fastest probe of
+    all the runs given."""
+    bound = STEADY_HOST_MARGIN * min(ms for run in probes for ms in run)
+    return [max(run) <= bound for run in probes]
+
+
 def steal_seconds() -> float | None:
     """CPU time the hypervisor gave to others while this machine's vCPUs wanted it, summed over
     vCPUs since boot (``/proc/stat``); None where the kernel does not report it."""

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import throughput
-from benchmarks.common import load_average, run_facts, scrub_path, write_results
+from benchmarks.common import STEADY_HOST_MARGIN, load_average, run_facts, scrub_path, steady_host, write_results
 
 # The issue's table of what users run: name -> throughput.py's sampling flags that differ from greedy with text.
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -44,9 +44,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "logprobs5-text": {"logprobs": 5},
 }
 BASELINE = "greedy"
-# A run is a steady-host run when both of its host probes took at most this times the fastest probe
-# (on the H200 hosts the probe took 10-14.5 ms at their usual speed and 17-34 ms in slow spells).
-STEADY_HOST_MARGIN = 1.5
 # throughput.py's sampling flags at their defaults (greedy with text).
 _SAMPLING_DEFAULTS = throughput.sampling_settings(throughput.parse_args([]))
 
@@ -139,10 +136,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def steady_host_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
     """Per setting, the output tok/s of its runs whose host probes, before and after, both took at
     most ``STEADY_HOST_MARGIN`` times the fastest probe of any run."""
-    fastest = min(ms for name_runs in runs.values() for r in name_runs for ms in r["host_probe_ms"])
-    bound = STEADY_HOST_MARGIN * fastest
-    return {name: [r["output_tokens_per_s"] for r in name_runs if max(r["host_probe_ms"]) <= bound]
-            for name, name_runs in runs.items()}
+    names = [name for name, name_runs in runs.items() for _ in name_runs]
+    all_runs = [r for name_runs in runs.values() for r in name_runs]
+    kept: dict[str, list[float]] = {name: [] for name in runs}
+    for name, run, steady in zip(names, all_runs, steady_host([r["host_probe_ms"] for r in all_runs])):
+        if steady:
+            kept[name].append(run["output_tokens_per_s"])
+    return kept
 
 
 if __name__ == "__main__":

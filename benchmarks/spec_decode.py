@@ -52,9 +52,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import throughput
-from benchmarks.common import add_engine_arguments, add_model_arguments, add_output_arguments, engine_kwargs, \
-    greedy_params, load_average, make_workload, release_device_memory, resolve_model_args, run_facts, scrub_path, \
-    write_results
+from benchmarks.common import STEADY_HOST_MARGIN, add_engine_arguments, add_model_arguments, add_output_arguments, \
+    engine_kwargs, greedy_params, host_probe, load_average, make_workload, release_device_memory, resolve_model_args, \
+    run_facts, scrub_path, steady_host, write_results
 
 DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 MODES = ("decode", "throughput")
@@ -139,17 +139,20 @@ def decode_prompts(args: argparse.Namespace, vocab_size: int, batch_size: int) -
     return [(passage * -(-args.input_len // passage_len))[:args.input_len] for passage in passages]
 
 
-def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    """Seconds of one ``LLM.generate`` of ``prompts`` (prefix cache emptied first), and its tokens."""
+def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], list[float]]:
+    """Seconds of one ``LLM.generate`` of ``prompts`` (prefix cache emptied first), its tokens, and
+    the host's speed just before and after it (:func:`host_probe`'s wall ms, outside the timed part)."""
     if not llm.reset_prefix_cache():
         raise RuntimeError("could not empty the prefix cache (blocks still in use)")
+    probe_before = host_probe()["wall_ms"]
     started = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(max_tokens), use_tqdm=False)
     seconds = time.perf_counter() - started
+    probe_after = host_probe()["wall_ms"]
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     if any(len(t) != max_tokens for t in tokens):
         raise RuntimeError(f"a request produced other than {max_tokens} tokens")
-    return seconds, tokens
+    return seconds, tokens, [probe_before, probe_after]
 
 
 def measure_decode(llm, prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict[str, Any], list]:
@@ -162,13 +165,14 @@ def measure_decode(llm, prompts: list[list[int]], args: argparse.Namespace) -> t
     steps = step_split(stats_before, llm.llm_engine.get_stats())
     if args.profile and llm.llm_engine.config.device.type == "cuda":
         steps.update(profile_device(llm, prompts, args.output_len))
-    full, tokens = [seconds for seconds, _ in runs], runs[-1][1]
+    full, tokens = [seconds for seconds, _, _ in runs], runs[-1][1]
     prefill = [timed_generate(llm, prompts, 1)[0] for _ in range(args.warmup + args.repeats)][args.warmup:]
     decode_s = statistics.median(full) - statistics.median(prefill)
     result = {"ms_per_token": round(1e3 * decode_s / (args.output_len - 1), 4),
               "generate_s_median": round(statistics.median(full), 4),
               "prefill_s_median": round(statistics.median(prefill), 4),
-              "generate_s_runs": [round(s, 4) for s in full], **acceptance, "steps": steps}
+              "generate_s_runs": [round(s, 4) for s in full],
+              "generate_host_probe_ms": [probes for _, _, probes in runs], **acceptance, "steps": steps}
     return result, tokens
 
 
@@ -250,14 +254,37 @@ def run_decode(args: argparse.Namespace, model_dir: str, vocab_size: int, device
                                  "speedup": round(off["ms_per_token"] / on["ms_per_token"], 3)
                                  if on["ms_per_token"] > 0 else None,
                                  "acceptance_rate": on["acceptance_rate"],
-                                 "greedy_outputs_identical": off_tokens == on_tokens}
+                                 "greedy_outputs_identical": off_tokens == on_tokens,
+                                 **steady_host_speedup(rounds["off"][b], rounds["on"][b], args.output_len)}
     return {"workload": {"input_len": args.input_len, "output_len": args.output_len, "prompt_kind": args.prompt_kind,
                          "passage_len": args.passage_len if args.prompt_kind == "repeated" else None,
                          "greedy": True, "ignore_eos": True, "warmup_runs": args.warmup, "repeats": args.repeats,
                          "rounds": args.rounds,
                          "ms_per_token": "(median generate s - median prefill-only s) / (output_len - 1), "
-                                         "of the median round"},
+                                         "of the median round",
+                         "steady_host": "the same over every round's generate runs whose host probes, before and "
+                                        f"after, stayed within {STEADY_HOST_MARGIN}x of the fastest probe of "
+                                        "either side (the prefill-only term: the median of the rounds' medians)"},
             "engines": facts, "figures": figures}
+
+
+def steady_host_speedup(off_rounds: list[tuple[dict[str, Any], list]], on_rounds: list[tuple[dict[str, Any], list]],
+                        output_len: int) -> dict[str, Any]:
+    """Both sides' decode ms/token over their steady-host generate runs only (see ``host_probe``),
+    and the speedup between them; None where a side kept no run."""
+    sides = {"off": [r for r, _ in off_rounds], "on": [r for r, _ in on_rounds]}
+    probes = [p for results in sides.values() for r in results for p in r["generate_host_probe_ms"]]
+    flags = iter(steady_host(probes))  # in the order of the runs below
+    ms: dict[str, float | None] = {}
+    runs: dict[str, int] = {}
+    for side, results in sides.items():
+        kept = [s for r in results for s, steady in zip(r["generate_s_runs"], flags) if steady]
+        prefill = statistics.median(r["prefill_s_median"] for r in results)
+        runs[side] = len(kept)
+        ms[side] = round(1e3 * (statistics.median(kept) - prefill) / (output_len - 1), 4) if kept else None
+    speedup = round(ms["off"] / ms["on"], 3) if ms["off"] and ms["on"] else None
+    return {"steady_host": {"off_ms_per_token": ms["off"], "on_ms_per_token": ms["on"], "speedup": speedup,
+                            "runs": runs}}
 
 
 def side_order(round_index: int) -> tuple[str, str]:
@@ -339,6 +366,9 @@ def print_summary(results: dict[str, Any]) -> None:
     for name, f in figures.items():
         print(f"{'decode ms/token ' + name:28} {f['off']['ms_per_token']:12.3f} {f['on']['ms_per_token']:12.3f} "
               f"{f['speedup']:9.2f}x {_fmt(f['on']['acceptance_rate']):>11} {_fmt(f['on']['mean_accepted_length']):>9}")
+        steady = f["steady_host"]
+        print(f"{'  steady-host runs':28} {_fmt(steady['off_ms_per_token']):>12} {_fmt(steady['on_ms_per_token']):>12} "
+              f"{_fmt(steady['speedup']):>9}x  ({steady['runs']['off']} and {steady['runs']['on']} runs)")
     for name, f in figures.items():
         for side in ("off", "on"):
             s = f[side]["steps"]

@@ -125,6 +125,20 @@ def test_steady_host_runs_keep_runs_whose_probes_stayed_near_the_fastest():
     assert bound_runs == {"greedy": [100.0, 90.0], "topk": [95.0]}
 
 
+def test_spec_decode_steady_host_speedup_uses_only_runs_the_host_probes_keep():
+    def side(runs, probes, prefill):
+        return [({"generate_s_runs": runs, "generate_host_probe_ms": probes, "prefill_s_median": prefill}, [])]
+
+    # Fastest probe 10 ms: runs with a probe above 15 ms are dropped on either side.
+    off = side([1.1, 2.0, 1.3], [[10, 11], [30, 12], [12, 14]], 0.1)
+    on = side([0.6, 0.5], [[16, 10], [11, 11]], 0.1)
+    steady = spec_decode.steady_host_speedup(off, on, output_len=11)["steady_host"]
+    assert steady["runs"] == {"off": 2, "on": 1}
+    assert steady["off_ms_per_token"] == round(1e3 * (1.2 - 0.1) / 10, 4)
+    assert steady["on_ms_per_token"] == round(1e3 * (0.5 - 0.1) / 10, 4)
+    assert steady["speedup"] == round(110.0 / 40.0, 3)
+
+
 def test_mixed_step_benchmark_times_the_step_kinds_it_names(tmp_path):
     """Every timed step of each kind is of that kind by the engine's own count (a mixed step holds
     the decodes and the new chunk)."""
@@ -209,6 +223,9 @@ def test_spec_decode_benchmark_reports_the_acceptance_of_each_figure(tmp_path):
         for side in (on, figure["off"]):
             assert isinstance(side["ms_per_token"], float) and len(side["ms_per_token_rounds"]) == 2
             assert side["ms_per_token"] == max(side["ms_per_token_rounds"])
+            assert len(side["generate_host_probe_ms"]) == 1 and len(side["generate_host_probe_ms"][0]) == 2
+        assert set(figure["steady_host"]["runs"]) == {"off", "on"}
+        assert all(0 <= n <= 2 for n in figure["steady_host"]["runs"].values())
     tput = results["throughput"]
     assert tput["greedy_outputs_identical"] and tput["workload"]["num_seqs"] == 4
     assert tput["on"]["output_tokens"] == tput["off"]["output_tokens"] == tput["workload"]["total_output_tokens"]
