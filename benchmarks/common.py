@@ -130,7 +130,8 @@ def host_probe() -> dict[str, float]:
     total = 0
     for i in range(_HOST_PROBE_ITERATIONS):
         total += i & 7
-    return {"wall_ms": round(1e3 * (time.perf_counter() - wall), 2), "cpu_ms": round(1e3 * (time.thread_time() - cpu), 2)}
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    return {"wall_ms": round(1e3 * wall, 2), "cpu_ms": round(1e3 * cpu, 2)}
 
 
 # A run is a steady-host run when both of its host probes took at most this times the fastest probe

@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       # where single runs spread more than the rows differ.
                       "vs_greedy_best_runs": round(max(r["output_tokens_per_s"] for r in name_runs) / best_baseline, 4),
                       "steady_host_runs": len(steady[name]),
-                      "vs_greedy_steady_host": (round(statistics.median(steady[name]) / statistics.median(steady_baseline), 4)
-                                                if steady[name] and steady_baseline else None),
+                      "vs_greedy_steady_host": (
+                          round(statistics.median(steady[name]) / statistics.median(steady_baseline), 4)
+                          if steady[name] and steady_baseline else None),
                       **throughput.summarize(name_runs)}
     print(f"\n{'setting':22} {'median tok/s':>13} {'vs greedy (median of rounds)':>30} {'best run vs best greedy':>25}"
           f" {'steady-host runs vs greedy':>28}")
