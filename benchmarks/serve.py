@@ -57,7 +57,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
 
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.entrypoints.openai.server_process import ServerProcess, process_tree_cpu
-from benchmarks.common import REPO_ROOT, add_model_arguments, add_output_arguments, load_average, \
+from benchmarks.common import REPO_ROOT, add_model_arguments, add_output_arguments, host_probe, load_average, \
     resolve_model_args, run_facts, scrub_path, write_results
 
 DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_turns_500.json"
@@ -279,7 +279,10 @@ def run_sweep(args: argparse.Namespace, base_url: str, model: str, prompts: list
         runs = []
         for i, (k, rate) in enumerate(schedule):
             cpu_before = process_tree_cpu(server_pid) if server_pid is not None else {}
+            probe_before = host_probe()["wall_ms"]
             run = {"round": k, **run_rate(pool, count, args, base_url, model, tag_prompts(prompts, i), rate)}
+            # The host's speed around the rate, seen from this process (see benchmarks/common.py).
+            run["host_probe_ms"] = [probe_before, host_probe()["wall_ms"]]
             if cpu_before:
                 run["server_cpu"] = server_cpu(server_pid, cpu_before, process_tree_cpu(server_pid),
                                                run["duration_s"])
@@ -498,11 +501,13 @@ def run_offline(engine_args: EngineArgs, args: argparse.Namespace, prompts: list
         if args.endpoint == "chat":
             prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         llm.generate(prompts[:1], params, use_tqdm=False)
-        durations = []
+        durations, probes = [], []
         for _ in range(args.offline_repeats):
+            probe_before = host_probe()["wall_ms"]
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             durations.append(time.perf_counter() - started)
+            probes.append([probe_before, host_probe()["wall_ms"]])
     finally:
         llm.shutdown()
     duration = statistics.median(durations)
@@ -511,7 +516,7 @@ def run_offline(engine_args: EngineArgs, args: argparse.Namespace, prompts: list
     return {"engine": "novainfer.LLM.generate",
             "engine_args": {k: scrub_path(v) if isinstance(v, str) else v for k, v in vars(engine_args).items()},
             "num_prompts": len(outputs), "duration_s": round(duration, 3),
-            "durations_s_of_each_run": [round(d, 3) for d in durations],
+            "durations_s_of_each_run": [round(d, 3) for d in durations], "host_probe_ms_of_each_run": probes,
             "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
             "request_throughput_per_s": round(len(outputs) / duration, 3),
             "output_throughput_tok_per_s": round(output_tokens / duration, 2),

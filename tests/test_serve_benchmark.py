@@ -154,7 +154,9 @@ def test_offline_companion_generates_what_was_served(sweep):
     assert offline["engine_args"]["device"] == "cpu"
     assert offline["num_prompts"] == len(TEXTS)
     assert offline["total_output_tokens"] == burst["total_output_tokens"] == len(TEXTS) * OUTPUT_LEN
-    assert len(offline["durations_s_of_each_run"]) == 2
+    assert len(offline["durations_s_of_each_run"]) == len(offline["host_probe_ms_of_each_run"]) == 2
+    for run in [*offline["host_probe_ms_of_each_run"], *(r["host_probe_ms"] for r in report["results"])]:
+        assert len(run) == 2 and min(run) > 0
     assert offline["total_input_tokens"] == burst["total_input_tokens"]
     assert_rate(offline["output_throughput_tok_per_s"], offline["total_output_tokens"], offline["duration_s"])
     for run in report["results"]:
