@@ -137,10 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def steady_host_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
     """Per setting, the output tok/s of its runs whose host probes, before and after, both took at
     most ``STEADY_HOST_MARGIN`` times the fastest probe of any run."""
-    names = [name for name, name_runs in runs.items() for _ in name_runs]
-    all_runs = [r for name_runs in runs.values() for r in name_runs]
+    named_runs = [(name, r) for name, name_runs in runs.items() for r in name_runs]
     kept: dict[str, list[float]] = {name: [] for name in runs}
-    for name, run, steady in zip(names, all_runs, steady_host([r["host_probe_ms"] for r in all_runs])):
+    for (name, run), steady in zip(named_runs, steady_host([r["host_probe_ms"] for _, r in named_runs])):
         if steady:
             kept[name].append(run["output_tokens_per_s"])
     return kept
