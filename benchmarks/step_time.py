@@ -2,7 +2,7 @@
 
 A step of ``--batch-size`` sequences, each decoding one token after ``--context`` tokens of (zero)
 KV cache, runs through ``ModelRunner`` with CUDA graphs off (``enforce_eager``), so every step pays
-its host cost. For each variant (``compilation_level`` 0 and/or 1) the model forward (embedding to
+its host cost. For each variant (``compilation_level`` 0, 1 and/or 2) the model forward (embedding to
 final norm; staging the step's inputs and the LM head are not timed) is run ``--warmup`` times
 (the compiled variant compiles in the first), then ``--steps`` times, and reports:
 
@@ -52,8 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--batch-size", type=int, default=256, help="sequences decoding one token each")
     w.add_argument("--context", type=int, default=512, help="tokens already in each sequence's KV cache")
     w.add_argument("--block-size", type=int, default=16, help="KV cache block size")
-    w.add_argument("--compile", default="both", choices=["off", "on", "both"],
-                   help="compilation_level 0, 1 or both, one after the other")
+    w.add_argument("--compile", default="all", choices=["off", "on", "cpp", "both", "all"],
+                   help="compilation_level 0 (off), 1 (on), 2 (cpp: inductor's C++ wrapper), 0 and 1 (both) or "
+                        "all three, one after the other")
     add_attention_backend_argument(w)
     w.add_argument("--plain-triton-launches", action="store_true",
                    help="launch the Triton kernels through kernel[grid] (JITFunction.run) instead of directly")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = resolve_device(args.device)
     model_dir, tag, summary = resolve_model_args(args, device)
     name = args.output or f"step_time_{device.type}_{tag}_b{args.batch_size}"
-    levels = {"off": [0], "on": [1], "both": [0, 1]}[args.compile]
+    levels = {"off": [0], "on": [1], "cpp": [2], "both": [0, 1], "all": [0, 1, 2]}[args.compile]
     print(f"model {scrub_path(model_dir)} on {device}; eager decode step of {args.batch_size} sequences after "
           f"{args.context} tokens; compilation_level {levels}", flush=True)
     load_at_start = load_average()

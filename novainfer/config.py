@@ -57,9 +57,10 @@ class ModelConfig:
     max_cudagraph_capture_size: int = 1024
     # "torch" or "triton"; None picks the fastest for the device.
     attention_backend: str | None = None
-    # vLLM's levels: 0 runs the model eagerly as written; 1 compiles its forward with torch.compile
-    # (inductor, attention left out) for the steps that replay no CUDA graph. Costs a compilation at
-    # start-up (cached under the NovaInfer cache directory for the next start).
+    # 0 runs the model eagerly as written; 1 compiles its forward with torch.compile (inductor) for the
+    # steps that replay no CUDA graph; 2 as 1, with inductor's C++ wrapper launching the kernels (see
+    # novainfer.models.compile). Costs compilations at first use of each kind of step (cached under
+    # the NovaInfer cache directory for the next start).
     compilation_level: int = 0
     # Where the model runs: decides "auto" for weights without a float type of their own.
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -77,9 +78,9 @@ class ModelConfig:
         elif self.max_model_len < 1 or (limit and self.max_model_len > limit):
             raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
-        if self.compilation_level not in (0, 1):
-            raise ValueError(f"compilation_level must be 0 (no compilation) or 1 (torch.compile), "
-                             f"got {self.compilation_level}")
+        if self.compilation_level not in (0, 1, 2):
+            raise ValueError(f"compilation_level must be 0 (no compilation), 1 (torch.compile) or 2 (torch.compile "
+                             f"with inductor's C++ wrapper), got {self.compilation_level}")
         if self.max_cudagraph_capture_size < 1:
             raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
 

@@ -51,7 +51,7 @@ def test_compiled_forward_gives_the_eager_tokens(tmp_path, monkeypatch, caplog):
 
 def test_compilation_level_is_checked():
     with pytest.raises(ValueError, match="compilation_level"):
-        ModelConfig(str(tiny_model()), compilation_level=2)
+        ModelConfig(str(tiny_model()), compilation_level=3)
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         EngineArgs(model=str(tiny_model()), device="cpu", compilation_level=1,
                    tensor_parallel_size=2).create_engine_config()

@@ -1,10 +1,12 @@
 """The attention layer a model uses: heads in, heads out, the backend does the rest.
 
-Under ``torch.compile`` the layer is one opaque custom op (``novainfer::attention``), so that
-inductor never traces the paged-attention kernels and their host-side planning. The compiled
-region takes tensors only: the step's metadata and the layers themselves reach the op through
-:func:`attention_context`, set around the compiled call (per thread: tensor-parallel ranks may
-run as threads of one process).
+Under ``torch.compile`` the layer is one op. With a backend that supports tracing (Triton), it is
+the backend's traced op, whose kernels inductor compiles into its graph; the step's tensors come in
+as the compiled forward's inputs (:class:`TracedAttentionInputs`). Otherwise it is one opaque custom
+op (``novainfer::attention``), so that inductor never traces the backend's kernels and host-side
+planning; the step's metadata and the layers themselves reach that op through
+:func:`attention_context`, set around the compiled call (per thread: tensor-parallel ranks may run
+as threads of one process).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from novainfer.attention.backends.abstract import AttentionMetadata
+from novainfer.attention.backends.abstract import AttentionMetadata, TracedAttentionInputs
 from novainfer.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -45,11 +47,13 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata | None,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                metadata: AttentionMetadata | TracedAttentionInputs | None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """``q`` [T, Hq * D], ``k``/``v`` [T, Hkv * D] (rows may be strided, e.g. views into a fused QKV
-        output) -> [T, Hq * D]; ``positions`` [T] is needed with a rotary embedding. ``metadata`` None:
-        inside a compiled forward, through the custom op (see the module docstring)."""
+        output) -> [T, Hq * D]; ``positions`` [T] is needed with a rotary embedding. Inside a compiled
+        forward ``metadata`` is the step's traced inputs, or None for the opaque custom op (see the
+        module docstring)."""
         if metadata is None:
             return torch.ops.novainfer.attention(q, k, v, positions, self.prefix)
         num_tokens, head_size = q.shape[0], self.head_size
@@ -57,7 +61,10 @@ class Attention(nn.Module):
         key = k.view(num_tokens, self.num_kv_heads, head_size)
         value = v.view(num_tokens, self.num_kv_heads, head_size)
         backend = metadata.backend
-        if self.rotary_emb is None:
+        if isinstance(metadata, TracedAttentionInputs):
+            out = backend.forward_traced(metadata, query, key, value, self.k_cache, self.v_cache, self.scale,
+                                         positions, self.rotary_emb)
+        elif self.rotary_emb is None:
             out = backend.forward(query, key, value, self.k_cache, self.v_cache, metadata, self.scale)
         else:
             out = backend.forward_rotary(positions, self.rotary_emb, query, key, value, self.k_cache, self.v_cache,

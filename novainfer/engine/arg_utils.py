@@ -39,7 +39,8 @@ class EngineArgs:
     # host's work overlaps the device's. None: on for GPUs (a CPU computes while it schedules).
     async_scheduling: bool | None = None
     attention_backend: str | None = None  # "torch", "sdpa" or "triton"; default: the fastest for the device
-    # 1: torch.compile (inductor) of the model forward for the steps without a CUDA graph; 0: none.
+    # 1: torch.compile (inductor) of the model forward for the steps without a CUDA graph; 2: the same
+    # with inductor's C++ wrapper (faster eager steps, longer first compilations); 0: none.
     compilation_level: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # "uni" (ranks as threads of this process) or "mp"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from novainfer.attention import Attention, AttentionMetadata
+from novainfer.attention.backends.abstract import TracedAttentionInputs
 from novainfer.attention.layer import attention_context
 from novainfer.distributed import ProcessGroup, get_tp_group, get_vocab_parallel_group
 from novainfer.layers.activation import SiluAndMul
@@ -138,11 +139,15 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         if self.compiled_forward is None:
             return self.forward_layers(input_ids, positions, metadata)
+        if metadata.backend.supports_tracing:
+            attn = self.layers[0].self_attn.attn
+            traced = metadata.backend.traced_inputs(metadata, attn.num_heads, attn.k_cache)
+            return self.compiled_forward(input_ids, positions, traced)
         with attention_context(metadata, self._attention_by_name):
             return self.compiled_forward(input_ids, positions)
 
     def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       metadata: AttentionMetadata | None = None) -> torch.Tensor:
+                       metadata: AttentionMetadata | TracedAttentionInputs | None = None) -> torch.Tensor:
         """The forward pass; without ``metadata``, attention takes it from ``attention_context``."""
         hidden_states = self.embed_tokens(input_ids)
         residual = None
@@ -151,9 +156,9 @@ class DecoderModel(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
-    def compile_forward(self, name: str) -> None:
+    def compile_forward(self, name: str, cpp_wrapper: bool) -> None:
         self._attention_by_name = {layer.self_attn.attn.prefix: layer.self_attn.attn for layer in self.layers}
-        self.compiled_forward = CompiledForward(self.forward_layers, name)
+        self.compiled_forward = CompiledForward(self.forward_layers, name, cpp_wrapper)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -196,11 +201,11 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
 
-    def compile_forward(self) -> None:
+    def compile_forward(self, cpp_wrapper: bool = False) -> None:
         """Runs the decoder through ``torch.compile`` from now on (see :mod:`novainfer.models.compile`)."""
         if get_tp_group().world_size > 1:
-            raise ValueError("compilation_level 1 needs tensor_parallel_size 1 (collectives are not traced)")
-        self.model.compile_forward(type(self).__name__)
+            raise ValueError("compilation needs tensor_parallel_size 1 (collectives are not traced)")
+        self.model.compile_forward(type(self).__name__, cpp_wrapper)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

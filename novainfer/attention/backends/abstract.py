@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -40,8 +40,27 @@ class AttentionMetadata:
     backend_data: Any = field(default=None)
 
 
+class TracedAttentionInputs(NamedTuple):
+    """A step's attention inputs as a compiled forward takes them when its backend's attention is traced
+    into the compiled graph (:meth:`AttentionBackend.traced_inputs`). The tensors are the graph's
+    inputs; ``backend`` and ``decode_only`` are constants of the graph (one graph per kind of step)."""
+
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    # The split-K decode's float32 workspace (partial outputs [B, Hq, S, Dpad], log-sum-exps [B, Hq, S]);
+    # its size S is the step's number of splits (1: no workspace is used).
+    split_out: torch.Tensor
+    split_lse: torch.Tensor
+    backend: "AttentionBackend"
+    decode_only: bool
+
+
 class AttentionBackend(ABC):
     name: str = "abstract"
+    # Whether traced_inputs/forward_traced exist: attention that inductor compiles into the graph.
+    supports_tracing: bool = False
 
     @abstractmethod
     def prepare(self, metadata: AttentionMetadata) -> None:
@@ -65,3 +84,17 @@ class AttentionBackend(ABC):
         its KV-cache store; this one rotates, then runs :meth:`forward`."""
         query, key = rotary_emb(positions, query, key)
         return self.forward(query, key, value, k_cache, v_cache, metadata, scale)
+
+    def traced_inputs(self, metadata: AttentionMetadata, num_heads: int,
+                      k_cache: torch.Tensor) -> TracedAttentionInputs:
+        """The inputs :meth:`forward_traced` takes in every layer of the step ``metadata`` describes
+        (after :meth:`prepare`), for layers of ``num_heads`` query heads on caches like ``k_cache``."""
+        raise NotImplementedError(f"the {self.name} attention backend is not traced by torch.compile")
+
+    def forward_traced(self, inputs: TracedAttentionInputs, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                       positions: torch.Tensor | None = None,
+                       rotary_emb: RotaryEmbedding | None = None) -> torch.Tensor:
+        """:meth:`forward` (or with ``rotary_emb``, :meth:`forward_rotary`) as one op that inductor
+        traces into a compiled forward."""
+        raise NotImplementedError(f"the {self.name} attention backend is not traced by torch.compile")

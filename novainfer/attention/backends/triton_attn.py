@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from novainfer.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from novainfer.attention.backends.abstract import AttentionBackend, AttentionMetadata, TracedAttentionInputs
 from novainfer.attention.ops import (MAX_SPLITS, choose_num_splits, decode_attention, decode_workspace_shape,
                                      prefill_attention, prefill_tile_config, reshape_and_cache,
                                      rotary_embedding_and_cache)
 from novainfer.attention.ops.common import num_sms
+from novainfer.attention.ops.traced_attention import triton_attention
+from novainfer.layers.rotary_embedding import RotaryEmbedding
 
 
 @dataclass
@@ -80,6 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    supports_tracing = True
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         if metadata.max_query_len == 1:
@@ -104,6 +107,26 @@ class TritonAttentionBackend(AttentionBackend):
         rotary_embedding_and_cache(positions, query, key, value, k_cache, v_cache, metadata.slot_mapping,
                                    rotary_emb.cos_cached, rotary_emb.sin_cached)
         return self._attend(query, k_cache, v_cache, metadata, scale)
+
+    def traced_inputs(self, metadata: AttentionMetadata, num_heads: int,
+                      k_cache: torch.Tensor) -> TracedAttentionInputs:
+        plan: TritonAttentionPlan = metadata.backend_data
+        workspace = None
+        if plan.num_decodes:
+            _, workspace = plan.decode_launch(metadata.num_seqs, num_heads, k_cache)
+        split_out, split_lse = workspace or _no_workspace(k_cache.device)
+        return TracedAttentionInputs(metadata.slot_mapping, metadata.seq_lens, metadata.block_tables,
+                                     metadata.query_start_loc, split_out, split_lse, self, plan.decode_only)
+
+    def forward_traced(self, inputs: TracedAttentionInputs, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                       positions: torch.Tensor | None = None,
+                       rotary_emb: RotaryEmbedding | None = None) -> torch.Tensor:
+        rotary = rotary_emb is not None
+        return triton_attention(query, key, value, k_cache, v_cache, positions if rotary else None,
+                                rotary_emb.cos_cached if rotary else None, rotary_emb.sin_cached if rotary else None,
+                                inputs.slot_mapping, inputs.seq_lens, inputs.block_tables, inputs.query_start_loc,
+                                inputs.split_out, inputs.split_lse, scale, inputs.decode_only)
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Launches each variant once on one sequence of one token in block 0 (the kernels only read the
@@ -153,6 +176,13 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             decode()
         return out
+
+
+@functools.cache
+def _no_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workspace a traced step of one decode split passes: its split dimension (1) is what counts."""
+    return (torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device),
+            torch.empty((1, 1, 1), dtype=torch.float32, device=device))
 
 
 @functools.cache

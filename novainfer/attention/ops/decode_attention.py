@@ -162,14 +162,16 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_splits: int,
                      query_start_loc: torch.Tensor | None = None,
                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     config: DecodeTileConfig | None = None) -> None:
+                     config: DecodeTileConfig | None = None, traced: bool = False) -> None:
     """Attention of one query token per sequence over its paged context, written into ``out``.
 
     ``query``/``out`` are [T, Hq, D]. Without ``query_start_loc`` every sequence ``b`` owns token row
     ``b`` (a decode-only step, T == num_seqs). With it, only sequences whose query length is 1 are
     computed (their row is ``query_start_loc[b]``); the others are left to the prefill kernel.
     ``workspace`` (see :func:`decode_workspace_shape`) is allocated here when needed and not given;
-    ``config`` defaults to :func:`decode_tile_config`.
+    ``config`` defaults to :func:`decode_tile_config`. ``traced``: launched for inductor to trace
+    (see :meth:`KernelLauncher.traced`); then ``num_splits`` may be symbolic, so the reduction is
+    compiled for MAX_SPLITS whatever the count.
     """
     num_seqs = seq_lens.shape[0]
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -190,7 +192,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     group = queries_per_kv(num_heads, num_kv_heads)
     qsl = seq_lens if decode_only else query_start_loc  # unused in a decode-only launch
     config = config or decode_tile_config(head_size)
-    _launch_decode_attention[(num_seqs, num_kv_heads, num_splits)](
+    _launch_decode_attention.traced(traced)[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qsl, scale_log2(scale),
         num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -199,7 +201,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         SPLIT_K=num_splits > 1, DECODE_ONLY=decode_only, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
-        _launch_reduce_splits[(num_seqs, num_heads)](
+        _launch_reduce_splits.traced(traced)[(num_seqs, num_heads)](
             out, part_out, part_lse, qsl, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad(head_size),
-            SPLITS_PAD=next_power_of_2(num_splits), DECODE_ONLY=decode_only, num_warps=1)
+            SPLITS_PAD=MAX_SPLITS if traced else next_power_of_2(num_splits), DECODE_ONLY=decode_only,
+            num_warps=1)

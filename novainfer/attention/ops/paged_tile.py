@@ -30,7 +30,9 @@ def attend_paged_tile(q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_table_pt
     offsets = block_ids.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + kv_head_offset
     kv_mask = in_range[:, None] & (dim < HEAD_SIZE)[None, :]
     k = tl.load(k_cache_ptr + offsets[:, None] + dim[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    # (Inductor passes a float argument as float64, or as a Python float when it analyses the kernel:
+    # keep the scores float32.)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * tl.cast(scale_log2, tl.float32)
     if MASKED:
         visible = in_range[None, :]
         if CAUSAL:

@@ -28,25 +28,8 @@ from novainfer.layers.ops.common import next_power_of_2
 from novainfer.layers.ops.launcher import KernelLauncher
 
 
-# Sequences whose first query blocks one load of ``_find_seq`` compares at once.
+# Sequences whose first query blocks one load of the kernel's search for its sequence compares at once.
 SEARCH_CHUNK = tl.constexpr(256)
-
-
-@triton.jit
-def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
-    """The last sequence ``b`` whose first query block ``query_start_loc[b] // BLOCK_Q + b`` is <= q_block.
-
-    First blocks increase with ``b``, so ``b`` is the number of them <= ``q_block``, less one: a
-    count over chunks of the table, whose loads do not wait for each other as a binary search's do
-    (a mixed step of 256 sequences reads one chunk where a search made 8 dependent loads).
-    """
-    count = tl.full((), 0, tl.int32)
-    for chunk_start in range(0, num_seqs, SEARCH_CHUNK):
-        seq = chunk_start + tl.arange(0, SEARCH_CHUNK)
-        in_range = seq < num_seqs
-        first_block = tl.load(query_start_loc_ptr + seq, mask=in_range, other=0) // BLOCK_Q + seq
-        count += tl.sum((in_range & (first_block <= q_block)).to(tl.int32), 0)
-    return count - 1
 
 
 # Not specialized on the block table's row stride (see the decode kernel).
@@ -60,7 +43,19 @@ def _prefill_attention_kernel(
         DOT_PRECISION: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
+    # The program's sequence: the last b whose first query block query_start_loc[b] // BLOCK_Q + b is
+    # <= q_block. First blocks increase with b, so b is the number of them <= q_block, less one: a count
+    # over chunks of the table, whose loads do not wait for each other as a binary search's do (a mixed
+    # step of 256 sequences reads one chunk where a search made 8 dependent loads). (Not a helper
+    # function: when inductor traces this kernel, its analysis of what the kernel writes takes a store
+    # whose address depends on a helper's result as a write to the helper's pointer arguments.)
+    count = tl.full((), 0, tl.int32)
+    for chunk_start in range(0, num_seqs, SEARCH_CHUNK):
+        chunk_seq = chunk_start + tl.arange(0, SEARCH_CHUNK)
+        in_range = chunk_seq < num_seqs
+        first_block = tl.load(query_start_loc_ptr + chunk_seq, mask=in_range, other=0) // BLOCK_Q + chunk_seq
+        count += tl.sum((in_range & (first_block <= q_block)).to(tl.int32), 0)
+    seq = count - 1
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     first_token = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # within the sequence's queries
@@ -141,13 +136,15 @@ def prefill_tile_config(head_size: int, query_rows: int = 0, num_sms: int = 1) -
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, skip_decodes: bool = False, config: PrefillTileConfig | None = None) -> None:
+                      scale: float, skip_decodes: bool = False, config: PrefillTileConfig | None = None,
+                      traced: bool = False) -> None:
     """Causal attention of every query row of ``query`` [T, Hq, D] over its sequence's paged context.
 
     Sequence ``b`` owns rows ``query_start_loc[b] : query_start_loc[b + 1]``, which are the last
     ``query_len`` of its ``seq_lens[b]`` positions. With ``skip_decodes`` the rows of sequences
     with a single query are not written (the decode kernel computes them). ``config`` defaults to
-    :func:`prefill_tile_config` for the step's size.
+    :func:`prefill_tile_config` for the step's size. ``traced``: launched for inductor to trace (see
+    :meth:`KernelLauncher.traced`).
     """
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
@@ -162,7 +159,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_m = max(config.block_m, next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _launch_prefill_attention[grid](
+    _launch_prefill_attention.traced(traced)[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, scale_log2(scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

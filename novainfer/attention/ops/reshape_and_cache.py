@@ -55,7 +55,7 @@ _launch_reshape_and_cache = KernelLauncher(_reshape_and_cache_kernel)
 
 def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor, query: torch.Tensor | None, positions: torch.Tensor | None,
-              cos_cached: torch.Tensor | None, sin_cached: torch.Tensor | None) -> None:
+              cos_cached: torch.Tensor | None, sin_cached: torch.Tensor | None, traced: bool) -> None:
     num_tokens, num_kv_heads, head_size = key.shape
     check_kv_cache(k_cache, v_cache, num_kv_heads, head_size)
     if num_tokens == 0:
@@ -63,7 +63,7 @@ def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_c
     key, value = unit_last_stride(key), unit_last_stride(value)
     rope = query is not None
     num_q_heads = query.shape[1] if rope else 0
-    _launch_reshape_and_cache[(num_tokens,)](
+    _launch_reshape_and_cache.traced(traced)[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, query, positions, cos_cached, sin_cached,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), query.stride(0) if rope else 0,
         query.stride(1) if rope else 0, cos_cached.stride(0) if rope else 0,
@@ -77,15 +77,16 @@ def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, traced: bool = False) -> None:
     """Stores ``key``/``value`` [T, Hkv, D] at cache slots ``slot_mapping`` [T] (``block * block_size +
-    offset``); rows whose slot is negative are skipped."""
-    _store_kv(key, value, k_cache, v_cache, slot_mapping, None, None, None, None)
+    offset``); rows whose slot is negative are skipped. ``traced``: launched for inductor to trace
+    (see :meth:`KernelLauncher.traced`)."""
+    _store_kv(key, value, k_cache, v_cache, slot_mapping, None, None, None, None, traced)
 
 
 def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                               cos_cached: torch.Tensor, sin_cached: torch.Tensor) -> None:
+                               cos_cached: torch.Tensor, sin_cached: torch.Tensor, traced: bool = False) -> None:
     """RoPE and the KV-cache store in one pass: ``query`` [T, Hq, D] is rotated in place by
     ``positions`` [T], and ``key`` rotated, with ``value``, is stored as :func:`reshape_and_cache`
     stores them (``key`` itself is left as it is). Rounds exactly as
@@ -95,4 +96,4 @@ def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key
     if query.shape[0] != key.shape[0] or query.shape[2] != key.shape[2]:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} must have the same number of "
                          f"tokens and head size")
-    _store_kv(key, value, k_cache, v_cache, slot_mapping, query, positions, cos_cached, sin_cached)
+    _store_kv(key, value, k_cache, v_cache, slot_mapping, query, positions, cos_cached, sin_cached, traced)

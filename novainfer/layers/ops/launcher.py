@@ -107,6 +107,17 @@ class KernelLauncher:
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
         return functools.partial(self.launch, grid)
 
+    def traced(self, enabled: bool = True) -> Any:
+        """With ``enabled``, the kernel wrapped by ``torch.library.wrap_triton`` (indexed by a grid the
+        same way), for the body of a ``torch.library.triton_op``: under ``torch.compile`` inductor
+        traces the kernel itself into its graph and launches it from the code it generates. Else this
+        launcher."""
+        if not enabled:
+            return self
+        from torch.library import wrap_triton
+
+        return wrap_triton(self.kernel)
+
     def launch(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
         if not (_direct and self._compiled) or self.kernel.pre_run_hooks or _launch_hooked():
             self.kernel[grid](*args, **kwargs)
