@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 
+from novainfer import LLM, SamplingParams
 from novainfer.config import CacheConfig, ModelConfig
 from novainfer.engine.arg_utils import EngineArgs
 from novainfer.worker.model_runner import ModelRunner
@@ -47,6 +48,26 @@ def test_compiled_forward_gives_the_eager_tokens(tmp_path, monkeypatch, caplog):
     assert forward.num_compilations == 2, [r.message for r in caplog.records]
     assert any("compiled the Qwen2ForCausalLM forward" in r.message for r in caplog.records)
     assert any(p.is_file() for p in (tmp_path / "torchinductor").rglob("*")), "nothing in the inductor cache"
+
+
+def test_start_up_compiles_every_kind_of_step(tmp_path, monkeypatch):
+    """An engine with compilation compiles its graphs while it starts (here on CPU, whose attention is
+    the opaque op: one graph for single-token steps, one for the rest), so that a run's first steps of
+    each kind compile nothing; its greedy tokens are the uncompiled engine's."""
+    monkeypatch.setenv("NOVAINFER_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    torch._dynamo.reset()
+    model_dir = str(tiny_model(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64,
+                               num_hidden_layers=2))
+    compiled = LLM(model=model_dir, device="cpu", compilation_level=1, max_num_batched_tokens=64)
+    forward = compiled.llm_engine.engine_core.executor.driver_worker.model_runner.model.model.compiled_forward
+    assert forward.num_compilations == 2
+    prompts = [{"prompt_token_ids": ids} for ids in random_prompts(200, [1, 9, 70, 33], seed=5)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [out.outputs[0].token_ids for out in compiled.generate(prompts, params)]
+    assert forward.num_compilations == 2  # chunked prefill, mixed and decode steps: no new graph
+    eager = LLM(model=model_dir, device="cpu", max_num_batched_tokens=64)
+    assert got == [out.outputs[0].token_ids for out in eager.generate(prompts, params)]
 
 
 def test_compilation_level_is_checked():

@@ -7,7 +7,8 @@ graph, see :mod:`novainfer.attention.ops.traced_attention`); with the others it 
 custom op (see :mod:`novainfer.attention.layer`). The token and sequence dimensions are dynamic, so
 one compilation serves every step size of one kind: with traced attention, a decode-only step or
 any other, with one decode split or several (and inductor's own size guards); a step of one token
-is compiled once more, since sizes 0 and 1 are always specialised.
+is compiled once more, since sizes 0 and 1 are always specialised. The worker runs a step of each
+kind at start-up (``Worker._warm_up_compiled``), so that none compiles mid-run.
 
 Level 2 adds inductor's C++ wrapper: the generated code that calls the kernels is C++, not Python.
 Its first compilation of a graph takes longer (a 24-layer model's decode step on one H200 host: 109 s

@@ -36,6 +36,10 @@ from novainfer.worker.host_memory import keep_freed_host_memory
 from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput, SequenceInput
 from novainfer.worker.step_broadcast import StepBroadcast
 
+# Context of the warm-up's long decodes: more than one key tile of the decode kernel (128), so that
+# they run in several splits (see _warm_up_compiled).
+LONG_WARM_UP_CONTEXT = 256
+
 logger = logging.getLogger(__name__)
 
 
@@ -147,10 +151,15 @@ class Worker:
         numbered from 0, and the number of blocks it needs."""
         max_len = self.config.scheduler_config.max_model_len
         lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        return self._sequences([(n, 0) for n in lengths])
+
+    def _sequences(self, shapes: list[tuple[int, int]]) -> tuple[list[SequenceInput], int]:
+        """Sequences of ``(new tokens, tokens already cached)`` each, on KV blocks numbered from 0, and
+        the number of blocks they need."""
         seqs, first = [], 0
-        for n in lengths:
-            count = -(-n // self.model_runner.block_size)
-            seqs.append(SequenceInput([0] * n, 0, list(range(first, first + count)), "last"))
+        for num_new, context in shapes:
+            count = -(-(context + num_new) // self.model_runner.block_size)
+            seqs.append(SequenceInput([0] * num_new, context, list(range(first, first + count)), "last"))
             first += count
         return seqs, first
 
@@ -215,8 +224,12 @@ class Worker:
         which every request writes before it reads (CUDA only: on CPU there is nothing to warm). Then
         every kernel variant that a step may need is compiled (see the attention backend's, the
         sampler's and the step buffers' ``warm_up``), and the LM heads run at every row count a step
-        may sample (``ModelRunner.warm_up_head``)."""
+        may sample (``ModelRunner.warm_up_head``). With compilation, every kind of step compiles first
+        (:meth:`_warm_up_compiled`, on any device)."""
         runner = self.model_runner
+        for each_runner in self._runners():
+            if each_runner.model_config.compilation_level:
+                self._warm_up_compiled(each_runner)
         if self.device.type != "cuda":
             return
         warmed = set()
@@ -240,6 +253,20 @@ class Worker:
         if num_blocks <= runner.num_blocks:
             runner.forward(seqs)
             torch.cuda.synchronize(self.device)
+
+    def _warm_up_compiled(self, runner: ModelRunner) -> None:
+        """Runs an eager step of each kind that a compiled forward keeps a graph for (see
+        :mod:`novainfer.models.compile`), so that none compiles mid-run, stalling every request for tens
+        of seconds: decodes of one sequence and of two, each with a short context (one decode split)
+        and a long one (several), two prompts, and two prompts beside a long decode. The steps write
+        K/V to free blocks only, as the other warm-up steps do."""
+        long_context = min(self.config.scheduler_config.max_model_len - 1, LONG_WARM_UP_CONTEXT)
+        steps = [[(1, context)] * num_seqs for num_seqs in (1, 2) for context in (1, long_context)]
+        steps += [[(2, 0), (2, 0)], [(2, 0), (2, 0), (1, long_context)]]
+        for step in steps:
+            seqs, num_blocks = self._sequences(step)
+            if num_blocks <= runner.num_blocks:
+                runner.forward(seqs)
 
     def execute_model(self, scheduler_output: SchedulerOutput, step_broadcast: StepBroadcast | None = None,
                       pipelined: bool = False) -> list[ModelRunnerOutput] | None:
