@@ -191,7 +191,8 @@ def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size:
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(14, 2, 64), (12, 2, 128), (4, 4, 16), (3, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_fused_with_kv_cache_store(num_heads, num_kv_heads, head_size, block_size, dtype):
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "query-out"])
+def test_rope_fused_with_kv_cache_store(num_heads, num_kv_heads, head_size, block_size, dtype, in_place):
     rope = RotaryEmbedding(head_size, 32768, 1000000.0).to(DEVICE)
     positions, slots, qkv, (k_cache, v_cache) = fused_rope_inputs(num_heads, num_kv_heads, head_size, block_size,
                                                                    dtype, seed=head_size + block_size)
@@ -204,7 +205,13 @@ def test_rope_fused_with_kv_cache_store(num_heads, num_kv_heads, head_size, bloc
     reshape_and_cache(uk, uv, unfused_k_cache, unfused_v_cache, slots)
 
     q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_size)
-    rotary_embedding_and_cache(positions, q, k, v, k_cache, v_cache, slots, rope.cos_cached, rope.sin_cached)
+    # Out of place (as the compiled forward calls it): the rotated queries go to a contiguous tensor.
+    query_out = None if in_place else torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    rotary_embedding_and_cache(positions, q, k, v, k_cache, v_cache, slots, rope.cos_cached, rope.sin_cached,
+                               query_out=query_out)
+    if not in_place:
+        assert torch.equal(qkv, original), "rotating into query_out must leave the QKV output as it is"
+        q = query_out
     assert torch.equal(q, uq), "queries differ from the unfused RoPE"
     assert torch.equal(k_cache, unfused_k_cache), "key cache differs from RoPE followed by the store"
     assert torch.equal(v_cache, unfused_v_cache), "value cache differs from the plain store"

@@ -1,8 +1,9 @@
 """Writes a step's new key/value rows into the paged KV cache, optionally rotating them first (RoPE).
 
-One kernel does both: with RoPE it rotates the query heads in place and stores the rotated keys
-(the attention kernels read keys from the cache only, so ``key`` itself is left unrotated), which
-saves a launch and a pass over the keys per layer against a rotation followed by the store.
+One kernel does both: with RoPE it rotates the query heads (in place, or into another tensor) and
+stores the rotated keys (the attention kernels read keys from the cache only, so ``key`` itself is
+left unrotated), which saves a launch and a pass over the keys per layer against a rotation followed
+by the store.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from novainfer.layers.ops.rotary_embedding import check_rope_operands, rope_angl
 
 @triton.jit
 def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, query_ptr,
-                              positions_ptr, cos_ptr, sin_ptr, stride_key_t, stride_key_h, stride_value_t,
-                              stride_value_h, stride_query_t, stride_query_h, stride_cos, stride_cache_block,
+                              query_out_ptr, positions_ptr, cos_ptr, sin_ptr, stride_key_t, stride_key_h,
+                              stride_value_t, stride_value_h, stride_query_t, stride_query_h, stride_query_out_t,
+                              stride_query_out_h, stride_cos, stride_cache_block,
                               stride_cache_slot, stride_cache_head, num_kv_heads, num_q_heads,
                               BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr,
                               HEAD_PAD: tl.constexpr, ROPE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
@@ -36,9 +38,8 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
     mask = (head < stored_heads) & (dim < HEAD_SIZE)
     if ROPE:
         cos, sin = rope_angles(positions_ptr, cos_ptr, sin_ptr, token, stride_cos, HEAD_SIZE // 2, HALF_PAD)
-        q_row = query_ptr + token * stride_query_t
-        rotate_heads(q_row, q_row, stride_query_h, stride_query_h, num_q_heads, cos, sin, HEAD_SIZE // 2, HALF_PAD,
-                     Q_HEADS_PAD)
+        rotate_heads(query_ptr + token * stride_query_t, query_out_ptr + token * stride_query_out_t, stride_query_h,
+                     stride_query_out_h, num_q_heads, cos, sin, HEAD_SIZE // 2, HALF_PAD, Q_HEADS_PAD)
         rotate_heads(key_ptr + token * stride_key_t, k_cache_ptr + cache_row, stride_key_h, stride_cache_head,
                      stored_heads, cos, sin, HEAD_SIZE // 2, HALF_PAD, HEADS_PAD)
     else:
@@ -54,8 +55,9 @@ _launch_reshape_and_cache = KernelLauncher(_reshape_and_cache_kernel)
 
 
 def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor, query: torch.Tensor | None, positions: torch.Tensor | None,
-              cos_cached: torch.Tensor | None, sin_cached: torch.Tensor | None, traced: bool) -> None:
+              slot_mapping: torch.Tensor, query: torch.Tensor | None, query_out: torch.Tensor | None,
+              positions: torch.Tensor | None, cos_cached: torch.Tensor | None, sin_cached: torch.Tensor | None,
+              traced: bool) -> None:
     num_tokens, num_kv_heads, head_size = key.shape
     check_kv_cache(k_cache, v_cache, num_kv_heads, head_size)
     if num_tokens == 0:
@@ -64,9 +66,10 @@ def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_c
     rope = query is not None
     num_q_heads = query.shape[1] if rope else 0
     _launch_reshape_and_cache.traced(traced)[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, query, positions, cos_cached, sin_cached,
+        key, value, k_cache, v_cache, slot_mapping, query, query_out, positions, cos_cached, sin_cached,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), query.stride(0) if rope else 0,
-        query.stride(1) if rope else 0, cos_cached.stride(0) if rope else 0,
+        query.stride(1) if rope else 0, query_out.stride(0) if rope else 0, query_out.stride(1) if rope else 0,
+        cos_cached.stride(0) if rope else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads, num_q_heads,
         BLOCK_SIZE=k_cache.shape[1], HEAD_SIZE=head_size, HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_PAD=next_power_of_2(head_size), ROPE=rope,
@@ -81,19 +84,26 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     """Stores ``key``/``value`` [T, Hkv, D] at cache slots ``slot_mapping`` [T] (``block * block_size +
     offset``); rows whose slot is negative are skipped. ``traced``: launched for inductor to trace
     (see :meth:`KernelLauncher.traced`)."""
-    _store_kv(key, value, k_cache, v_cache, slot_mapping, None, None, None, None, traced)
+    _store_kv(key, value, k_cache, v_cache, slot_mapping, None, None, None, None, None, traced)
 
 
 def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                               cos_cached: torch.Tensor, sin_cached: torch.Tensor, traced: bool = False) -> None:
-    """RoPE and the KV-cache store in one pass: ``query`` [T, Hq, D] is rotated in place by
-    ``positions`` [T], and ``key`` rotated, with ``value``, is stored as :func:`reshape_and_cache`
-    stores them (``key`` itself is left as it is). Rounds exactly as
-    :func:`~novainfer.layers.ops.rotary_embedding_` followed by :func:`reshape_and_cache` does.
-    ``cos_cached``/``sin_cached``: float32 [max_position, D] with both halves equal."""
+                               cos_cached: torch.Tensor, sin_cached: torch.Tensor, traced: bool = False,
+                               query_out: torch.Tensor | None = None) -> None:
+    """RoPE and the KV-cache store in one pass: ``query`` [T, Hq, D] is rotated by ``positions`` [T]
+    into ``query_out`` (same shape; ``query`` itself, in place, when not given), and ``key`` rotated,
+    with ``value``, is stored as :func:`reshape_and_cache` stores them (``key`` itself is left as it
+    is). Rounds exactly as :func:`~novainfer.layers.ops.rotary_embedding_` followed by
+    :func:`reshape_and_cache` does. ``cos_cached``/``sin_cached``: float32 [max_position, D] with both
+    halves equal."""
     check_rope_operands(query, key)
     if query.shape[0] != key.shape[0] or query.shape[2] != key.shape[2]:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} must have the same number of "
                          f"tokens and head size")
-    _store_kv(key, value, k_cache, v_cache, slot_mapping, query, positions, cos_cached, sin_cached, traced)
+    if query_out is None:
+        query_out = query
+    elif query_out.shape != query.shape or query_out.dtype != query.dtype or query_out.stride(-1) != 1:
+        raise ValueError(f"query_out {query_out.dtype}{tuple(query_out.shape)} must have query's shape and dtype "
+                         f"({query.dtype}{tuple(query.shape)}) and unit stride in its last dimension")
+    _store_kv(key, value, k_cache, v_cache, slot_mapping, query, query_out, positions, cos_cached, sin_cached, traced)

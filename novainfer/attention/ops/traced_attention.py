@@ -25,19 +25,23 @@ from novainfer.attention.ops.prefill_attention import prefill_attention
 from novainfer.attention.ops.reshape_and_cache import reshape_and_cache, rotary_embedding_and_cache
 
 
-@triton_op("novainfer::triton_attention", mutates_args={"query", "k_cache", "v_cache"})
+@triton_op("novainfer::triton_attention", mutates_args={"k_cache", "v_cache"})
 def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, positions: torch.Tensor | None, cos_cached: torch.Tensor | None,
                      sin_cached: torch.Tensor | None, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, split_out: torch.Tensor,
                      split_lse: torch.Tensor, scale: float, decode_only: bool) -> torch.Tensor:
-    """Stores ``key``/``value`` [T, Hkv, D] (rotated with ``query`` [T, Hq, D] in place when
-    ``positions`` is given), then attends; returns [T, Hq, D]. See the module docstring."""
+    """Stores ``key``/``value`` [T, Hkv, D] (rotated, with ``query`` [T, Hq, D], when ``positions`` is
+    given), then attends; returns [T, Hq, D]. See the module docstring."""
     if positions is None:
         reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, traced=True)
     else:
+        # Rotated into a new tensor: rotating ``query`` (a view of the QKV product) in place would make
+        # inductor copy it out of the product before the op and back after it, two kernels per layer.
+        rotated = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         rotary_embedding_and_cache(positions, query, key, value, k_cache, v_cache, slot_mapping, cos_cached,
-                                   sin_cached, traced=True)
+                                   sin_cached, traced=True, query_out=rotated)
+        query = rotated
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_splits = split_lse.shape[2]
     if not decode_only:
