@@ -15,6 +15,10 @@ import torch
 from novainfer.models.config_utils import get_head_dim
 from novainfer.spec_decode.config import SpeculativeConfig
 
+# 0 runs the model as written; 1 compiles its forward with torch.compile (inductor); 2 as 1 with
+# inductor's C++ wrapper (see novainfer.models.compile).
+COMPILATION_LEVELS = (0, 1, 2)
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -78,7 +82,7 @@ class ModelConfig:
         elif self.max_model_len < 1 or (limit and self.max_model_len > limit):
             raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
-        if self.compilation_level not in (0, 1, 2):
+        if self.compilation_level not in COMPILATION_LEVELS:
             raise ValueError(f"compilation_level must be 0 (no compilation), 1 (torch.compile) or 2 (torch.compile "
                              f"with inductor's C++ wrapper), got {self.compilation_level}")
         if self.max_cudagraph_capture_size < 1:

@@ -35,9 +35,6 @@ from novainfer.tiny_model import cache_root
 
 logger = logging.getLogger(__name__)
 
-# 0 runs the model as written; 1 compiles its forward with torch.compile (inductor); 2 as 1 with
-# inductor's C++ wrapper.
-COMPILATION_LEVELS = (0, 1, 2)
 # Graphs one compiled forward may hold (dynamo's default of 8 could be reached by the kinds of step
 # above times inductor's size guards; past the limit dynamo would run the forward uncompiled).
 RECOMPILE_LIMIT = 32
@@ -107,7 +104,9 @@ def _step_kind(num_tokens: int, attention_inputs: TracedAttentionInputs | None) 
 
 
 def compile_model(model: nn.Module, level: int) -> None:
-    """Applies compilation ``level`` (see COMPILATION_LEVELS) to a loaded model."""
+    """Applies compilation ``level`` (see ``novainfer.config.COMPILATION_LEVELS``) to a loaded model."""
+    from novainfer.config import COMPILATION_LEVELS  # (imported here: the config module imports the models)
+
     if level not in COMPILATION_LEVELS:
         raise ValueError(f"compilation_level must be one of {COMPILATION_LEVELS}, got {level}")
     if level == 0:
