@@ -17,6 +17,10 @@ final norm; staging the step's inputs and the LM head are not timed) is run ``--
   and the project's functions (layers, kernels' wrappers) with the most cumulative time, per step
   and per layer.
 
+Each variant runs in a fresh process, its timed steps before anything is profiled: a finished
+torch.profiler session may leave the CUDA profiling interface attached, which slows every later
+kernel launch in that process, and one variant's compiled code and caches must not be another's.
+
     python benchmarks/step_time.py                                  # tiny model on CPU
     python benchmarks/step_time.py --arch qwen2-0.5b --batch-size 256 --context 512
     python benchmarks/step_time.py --arch qwen2-0.5b --plain-triton-launches   # kernel[grid] launches, to compare
@@ -27,11 +31,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import multiprocessing
 import pstats
 import statistics
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (add_attention_backend_argument, add_model_arguments, add_output_arguments, load_average,
-                               release_device_memory, resolve_model_args, run_facts, scrub_path, write_results)
+                               resolve_model_args, run_facts, scrub_path, write_results)
 
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
@@ -201,6 +207,12 @@ def run_variant(args, model_dir: str, device, compilation_level: int) -> dict[st
     return result
 
 
+def run_variant_in_fresh_process(args, model_dir: str, device, compilation_level: int) -> dict[str, Any]:
+    """``run_variant`` in a new (spawned) process: see the module's docstring for why."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_variant, args, model_dir, device, compilation_level).result()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from novainfer.config import resolve_device
@@ -212,10 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"model {scrub_path(model_dir)} on {device}; eager decode step of {args.batch_size} sequences after "
           f"{args.context} tokens; compilation_level {levels}", flush=True)
     load_at_start = load_average()
-    rows = []
-    for level in levels:
-        rows.append(run_variant(args, model_dir, device, level))
-        release_device_memory(device)  # the variant's model and KV cache are gone with its frame
+    rows = [run_variant_in_fresh_process(args, model_dir, device, level) for level in levels]
     print(f"\n{'level':>5} {'first s':>8} {'host ms':>8} {'wall ms':>8} {'device ms':>9} {'wall/dev':>8} "
           f"{'aten/layer':>10} {'launch/layer':>12}")
     for r in rows:
