@@ -44,6 +44,7 @@ import shlex
 import signal
 import statistics
 import math
+from collections import Counter
 import os
 import sys
 import time
@@ -197,6 +198,7 @@ class RequestResult:
     e2e: float = 0.0
     sent_at: float = 0.0  # wall-clock time the request was sent (time.time(), comparable across processes)
     itl: list[float] = field(default_factory=list)
+    itl_ends: list[float] = field(default_factory=list)  # seconds after sending at which each gap of itl ended
 
 
 async def send_request(client, args: argparse.Namespace, model: str, prompt: str) -> RequestResult:
@@ -233,6 +235,7 @@ async def send_request(client, args: argparse.Namespace, model: str, prompt: str
                         result.ttft = now - started
                     else:
                         result.itl.append(now - last)
+                        result.itl_ends.append(now - started)
                     last = now
     except Exception as exc:  # a failed request is a result, not a crash of the benchmark
         result.error = f"{type(exc).__name__}: {exc}"
@@ -340,7 +343,7 @@ def run_rate(pool, count: int, args: argparse.Namespace, base_url: str, model: s
     results = [r for share_results, _, _ in outcomes for r in share_results]
     cpu = [c for _, _, c in outcomes]
     summary = {"request_rate": rate_label(rate), **summarize(results, duration), **timeline(results, start_at),
-               "client_cpu": client_cpu(cpu, duration)}
+               "itl_long_gaps": long_itl_gaps(results, start_at), "client_cpu": client_cpu(cpu, duration)}
     if args.save_detailed:
         # The rate's start as a Unix time, to set the requests' moments against a server log's timestamps.
         summary["start_at_unix"] = round(start_at, 4)
@@ -424,6 +427,28 @@ def timeline(results: list[RequestResult], start_at: float) -> dict[str, float |
     return {"last_request_sent_s": round(max(r.sent_at for r in results) - start_at, 3),
             "first_token_s": round(min(r.sent_at + r.ttft for r in ok) - start_at, 3),
             "last_token_s": round(max(r.sent_at + r.e2e for r in ok) - start_at, 3)}
+
+
+def long_itl_gaps(results: list[RequestResult], start_at: float, window_s: float = 0.01,
+                  top: int = 5) -> dict[str, Any]:
+    """Where the inter-token gaps at or above the p99 end, to tell what makes the p99: gaps that end
+    before the last request's first token (streams waiting while others are admitted and prefilled),
+    gaps that end together in one ``window_s`` window (a stall of the server that held many streams
+    at once: a long step, a long turn of the API process's event loop) or scattered ones (single streams:
+    a client's or a connection's delay). Times in seconds after the rate's start."""
+    ok = [r for r in results if r.ok]
+    gaps = [(gap, r.sent_at + end - start_at) for r in ok for gap, end in zip(r.itl, r.itl_ends)]
+    if not gaps:
+        return {"threshold_ms": None, "count": 0}
+    threshold = _percentile([gap for gap, _ in gaps], 99)
+    ends = [at for gap, at in gaps if gap >= threshold]
+    last_first_token = max(r.sent_at + r.ttft for r in ok) - start_at
+    windows = Counter(int(at // window_s) for at in ends)
+    return {"threshold_ms": round(1e3 * threshold, 3), "count": len(ends),
+            "last_first_token_s": round(last_first_token, 3),
+            "ending_before_last_first_token": sum(at <= last_first_token for at in ends),
+            "in_windows_of_10_or_more": sum(n for n in windows.values() if n >= 10), "window_ms": 1e3 * window_s,
+            "top_windows": [{"ends_s": round(w * window_s, 3), "gaps": n} for w, n in windows.most_common(top)]}
 
 
 def request_timeline(result: RequestResult, start_at: float) -> dict[str, Any]:
@@ -618,6 +643,12 @@ def print_table(runs: list[dict[str, Any]], offline: dict[str, Any] | None) -> N
             cpu = run["server_cpu"]
             print(f"        server CPU over {run['duration_s']} s: {cpu['started_process_s']} s in the started "
                   f"process, {', '.join(map(str, cpu['children_s']))} s in the processes below it")
+        gaps = run["itl_long_gaps"]
+        if gaps["count"]:
+            print(f"        ITL gaps >= p99: {gaps['count']}, {gaps['ending_before_last_first_token']} ending before the "
+                  f"last first token ({gaps['last_first_token_s']} s), {gaps['in_windows_of_10_or_more']} in "
+                  f"{gaps['window_ms']:g} ms windows of 10 or more; most at {gaps['top_windows'][0]['ends_s']} s "
+                  f"({gaps['top_windows'][0]['gaps']})")
     print("client CPU: the busiest client process's CPU time over the wall time (100% = its one core busy)")
     if offline is not None:
         ratios = ", ".join(f"{run['output_throughput_vs_offline']:.3f} at rate {run['request_rate']} (round "

@@ -210,3 +210,21 @@ def test_sse_data_ends_lines_only_at_newlines():
     for size in (1, 7, len(events)):
         datas = asyncio.run(collect(size))
         assert datas[-1] == "[DONE]" and [json.loads(d)["text"] for d in datas[:-1]] == texts
+
+
+def test_long_itl_gaps_are_placed_in_time():
+    # Three streams sent at the rate's start (t=100): two share one stall at 1.0 s, one has a lone gap.
+    def result(ttft: float, gaps_and_ends: list[tuple[float, float]]) -> serve.RequestResult:
+        return serve.RequestResult(ok=True, ttft=ttft, sent_at=100.0, itl=[g for g, _ in gaps_and_ends],
+                                   itl_ends=[e for _, e in gaps_and_ends])
+
+    short = [(0.01, 0.1 + 0.01 * i) for i in range(1, 100)]  # 99 short gaps per stream
+    results = [result(0.1, short + [(0.5, 1.004)]), result(0.1, short + [(0.5, 1.006)]),
+               result(0.3, short + [(0.4, 0.25)])]
+    gaps = serve.long_itl_gaps(results, start_at=100.0)
+    # 300 gaps, 297 of 10 ms: the p99 (rank 296.01 of 0..299) is 1% of the way from 10 to 400 ms.
+    assert gaps["threshold_ms"] == 13.9 and gaps["count"] == 3
+    assert gaps["last_first_token_s"] == 0.3 and gaps["ending_before_last_first_token"] == 1
+    assert gaps["in_windows_of_10_or_more"] == 0
+    assert gaps["top_windows"][0] == {"ends_s": 1.0, "gaps": 2}
+    assert serve.long_itl_gaps([], start_at=0.0)["count"] == 0
