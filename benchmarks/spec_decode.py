@@ -17,8 +17,9 @@ from the engine's counters over the timed runs only.
   engine's counters over the timed runs: engine steps, tokens per step, ms per step and the
   executor's share (forward, sampling, verification and, with a draft model, its forwards); with
   ``--profile`` (CUDA) also the device's busy time per step (the union of the kernels' intervals
-  under torch.profiler, one more run) and its top kernels. Each of ``--rounds`` engines per side
-  measures every batch; the round with the median ms per token gives the figure.
+  under torch.profiler, one more run of one more engine per side, after every timed round) and its
+  top kernels. Each of ``--rounds`` engines per side measures every batch; the round with the
+  median ms per token gives the figure.
 * ``throughput``: benchmarks/throughput.py's runner on its nano-vllm workload (random prompts,
   uniform lengths, token ids only; its flags keep throughput.py's names, with nano-vllm's lengths),
   speculation on (the configuration's ``disable_by_batch_size`` as given, else its default)
@@ -163,8 +164,6 @@ def measure_decode(llm, prompts: list[list[int]], args: argparse.Namespace) -> t
     runs = [timed_generate(llm, prompts, args.output_len) for _ in range(args.repeats)]
     acceptance = SpecCounts.of(llm).since(before)
     steps = step_split(stats_before, llm.llm_engine.get_stats())
-    if args.profile and llm.llm_engine.config.device.type == "cuda":
-        steps.update(profile_device(llm, prompts, args.output_len))
     full, tokens = [seconds for seconds, _, _ in runs], runs[-1][1]
     prefill = [timed_generate(llm, prompts, 1)[0] for _ in range(args.warmup + args.repeats)][args.warmup:]
     decode_s = statistics.median(full) - statistics.median(prefill)
@@ -184,6 +183,23 @@ def step_split(before, after) -> dict[str, Any]:
             "tokens_per_engine_step": per_step(after.generation_tokens_total - before.generation_tokens_total),
             "ms_per_engine_step": per_step(1e3 * (after.step_time_total - before.step_time_total)),
             "executor_ms_per_engine_step": per_step(1e3 * (after.model_time_total - before.model_time_total))}
+
+
+def profile_sides(args: argparse.Namespace, model_dir: str, device, batches: dict[int, list[list[int]]]
+                  ) -> dict[str, dict[int, dict[str, Any]]]:
+    """``--profile``: one more engine per side, after every timed round, profiles each batch (after its
+    warm-up runs). A finished torch.profiler session may leave CUDA's profiling interface attached,
+    which slows every later kernel launch in the process, so nothing timed follows one."""
+    profiles: dict[str, dict[int, dict[str, Any]]] = {}
+    for side in ("off", "on"):
+        llm = start_engine(args, model_dir, side == "on")
+        profiles[side] = {}
+        for b, prompts in batches.items():
+            for _ in range(args.warmup):
+                timed_generate(llm, prompts, args.output_len)
+            profiles[side][b] = profile_device(llm, prompts, args.output_len)
+        close(llm, device)
+    return profiles
 
 
 def profile_device(llm, prompts: list[list[int]], max_tokens: int, top: int = 8) -> dict[str, Any]:
@@ -247,9 +263,12 @@ def run_decode(args: argparse.Namespace, model_dir: str, vocab_size: int, device
                       f"{rounds[side][b][-1][0]['ms_per_token']:.3f} ms/token, "
                       f"acceptance rate {rounds[side][b][-1][0]['acceptance_rate']}", flush=True)
             close(llm, device)
+    profiles = profile_sides(args, model_dir, device, batches) if args.profile and device.type == "cuda" else None
     figures = {}
     for b in args.batch_sizes:
         (off, off_tokens), (on, on_tokens) = (median_round(rounds[side][b]) for side in ("off", "on"))
+        if profiles is not None:
+            off["steps"], on["steps"] = {**off["steps"], **profiles["off"][b]}, {**on["steps"], **profiles["on"][b]}
         figures[f"batch_{b}"] = {"batch_size": b, "off": off, "on": on,
                                  "speedup": round(off["ms_per_token"] / on["ms_per_token"], 3)
                                  if on["ms_per_token"] > 0 else None,
