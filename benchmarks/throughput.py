@@ -564,7 +564,7 @@ def print_profile(breakdown: dict[str, Any], decode: dict[str, Any] | None) -> N
             print(f"  {100 * row['share']:5.1f}% {row['total_ms']:9.3f} ms {row['calls']:6d}x  {row['name'][:90]}")
 
 
-def profile(nova: NovaInferRunner, nova_result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def profile_figures(nova: NovaInferRunner, nova_result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """``--profile``'s figures: the timed runs' step breakdown and a profile of decode steps."""
     return {"step_breakdown": step_breakdown(nova_result), "decode_profile": nova.profile_decode(args.profile_steps)}
 
@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # NovaInfer, the profile is taken after the peer's runs, in an engine of its own.
     profile_after_peer = args.profile and peer_class is not None and not interleave
     if args.profile and not profile_after_peer:
-        nova_result["profile"] = profile(nova, nova_result, args)
+        nova_result["profile"] = profile_figures(nova, nova_result, args)
     nova.close()
     memory_left = release_device_memory(device)
     if peer_class is not None and not interleave:
@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append((peer.name, peer_result))
     if profile_after_peer:
         profiled = NovaInferRunner(args, model_dir, workload)
-        nova_result["profile"] = profile(profiled, nova_result, args)
+        nova_result["profile"] = profile_figures(profiled, nova_result, args)
         profiled.close()
         release_device_memory(device)
     print(f"\nmedian of {args.repeats} run(s); {workload.total_output_tokens} output tokens")
